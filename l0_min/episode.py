@@ -1,0 +1,159 @@
+"""The records that flow from the rollout to the learner: Task -> Episode(steps) -> training rows.
+
+Token-in/token-out: a Step keeps the exact context ids sent to the inference server and the exact
+action ids and log-probs it returned. Within one context segment the context only grows, so
+
+    steps[i+1].context_ids == steps[i].context_ids + steps[i].action_ids + <observation ids>
+
+and the whole segment trains as one sequence: the last step's context + action, with every step's
+action span masked in (see `segment_rows`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Task:
+    id: str
+    question: str
+    answers: list[str]  # gold answer and its aliases
+    meta: dict = field(default_factory=dict)
+
+
+# Episode statuses. "answered" is the only one that ends by the agent's own choice.
+ANSWERED = "answered"
+MAX_STEPS = "max_steps"
+MAX_TOKENS = "max_tokens"
+TIMEOUT = "timeout"  # wall-time budget of the episode
+ENV_ERROR = "env_error"  # sandbox / kernel / tool backend failure: not the policy's fault
+INFERENCE_ERROR = "inference_error"
+STATUSES = (ANSWERED, MAX_STEPS, MAX_TOKENS, TIMEOUT, ENV_ERROR, INFERENCE_ERROR)
+
+
+@dataclass
+class Step:
+    context_ids: list[int]  # exactly what was sent to the server
+    action_ids: list[int]  # exactly what the server sampled
+    action_logprobs: list[float]  # the server's log-probs of those ids
+    action_text: str = ""
+    think: str = ""
+    code: str = ""
+    observation: str = ""  # the text shown back to the model after this action
+    format_ok: bool = False
+    exec_ok: bool | None = None  # None: no code ran (so it does not count for the execution reward)
+    finish_reason: str = ""
+    weight_version: str = ""
+    segment: int = 0  # index of the append-only context segment this step belongs to
+    reward: float = 0.0  # per-step reward, filled by rewards.score_episode
+    seconds: float = 0.0
+
+
+@dataclass
+class Episode:
+    task: Task
+    steps: list[Step] = field(default_factory=list)
+    final_answer: str | None = None
+    status: str = MAX_STEPS
+    group: int = 0  # index of the task group within a batch
+    sample: int = 0  # index within its group
+    reward: float = 0.0  # total (outcome) reward
+    rewards: dict = field(default_factory=dict)  # components: answer, format, exec, em, f1, ...
+    tool_calls: dict = field(default_factory=dict)
+    truncations: int = 0  # context rebuilds
+    weight_version: str = ""
+    error: str = ""
+    seconds: float = 0.0
+    masked: bool = False  # kept for batch shape and stats, trains with zero weight
+
+    @property
+    def n_action_tokens(self) -> int:
+        return sum(len(s.action_ids) for s in self.steps)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "Episode":
+        d = dict(d)
+        d["task"] = Task(**d["task"])
+        d["steps"] = [Step(**s) for s in d["steps"]]
+        return Episode(**d)
+
+
+@dataclass
+class Row:
+    """One training sequence: token ids, which of them are actions, their advantage and old log-prob."""
+
+    ids: list[int]
+    mask: list[float]  # 1.0 on action tokens (times the sample weight), 0.0 elsewhere
+    adv: list[float]  # per-token advantage (0 where mask is 0)
+    old_logp: list[float]  # sampler log-prob per token (0 where mask is 0)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> list[Row]:
+    """Pack an episode into one row per context segment, each action span masked in.
+
+    >>> s0 = Step(context_ids=[1, 2], action_ids=[3, 4], action_logprobs=[-0.1, -0.2])
+    >>> s1 = Step(context_ids=[1, 2, 3, 4, 9], action_ids=[5], action_logprobs=[-0.3])
+    >>> r, = segment_rows(Episode(Task("t", "q", []), [s0, s1]), [1.0, -1.0])
+    >>> r.ids, r.mask, r.adv
+    ([1, 2, 3, 4, 9, 5], [0.0, 0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0, 0.0, -1.0])
+    """
+    rows: list[Row] = []
+    by_seg: dict[int, list[int]] = {}
+    for i, s in enumerate(ep.steps):
+        if s.action_ids:
+            by_seg.setdefault(s.segment, []).append(i)
+    for seg in sorted(by_seg):
+        idx = by_seg[seg]
+        last = ep.steps[idx[-1]]
+        ids = list(last.context_ids) + list(last.action_ids)
+        mask = [0.0] * len(ids)
+        adv = [0.0] * len(ids)
+        old = [0.0] * len(ids)
+        for i in idx:
+            s = ep.steps[i]
+            start = len(s.context_ids)
+            if ids[start : start + len(s.action_ids)] != list(s.action_ids) or ids[:start] != list(s.context_ids):
+                raise ValueError(f"episode {ep.task.id}: step {i} is not a prefix of its segment {seg}")
+            for j, lp in enumerate(s.action_logprobs):
+                mask[start + j] = weight
+                adv[start + j] = step_adv[i]
+                old[start + j] = lp
+        rows.append(Row(ids, mask, adv, old))
+    return rows
+
+
+def training_rows(episodes: list[Episode], algo_cfg) -> list[Row]:
+    """Episodes (already scored: step.reward set) -> advantage-weighted training rows.
+
+    Advantages come from `algo.step_advantages` over the whole batch (REINFORCE++ by default);
+    the stabilisers of `algo.sample_weights` set per-episode weights (a masked episode keeps its
+    rows, with weight 0, so batch shape and statistics are unchanged).
+    """
+    from . import algo
+
+    advs = algo.step_advantages(
+        [[s.reward for s in ep.steps] for ep in episodes],
+        [ep.group for ep in episodes],
+        algo_cfg.advantage,
+        algo_cfg.gamma,
+        algo_cfg.eps,
+    )
+    weights = algo.sample_weights(
+        [ep.status == ENV_ERROR for ep in episodes],
+        [ep.status != ANSWERED for ep in episodes],
+        [ep.n_action_tokens for ep in episodes],
+        mask_env_failures=algo_cfg.mask_env_failures,
+        max_failed_tokens=algo_cfg.max_failed_tokens,
+    )
+    rows: list[Row] = []
+    for ep, adv, w in zip(episodes, advs, weights):
+        w = 0.0 if ep.masked else w
+        rows += segment_rows(ep, adv, w)
+    return rows

@@ -1,0 +1,105 @@
+"""Exact-number tests of the RL math (l0_min/algo.py), its doctests, and the row builders."""
+
+import doctest
+
+import pytest
+import torch
+
+from l0_min import algo, config, episode, learner
+from l0_min.config import AlgoConfig
+from l0_min.episode import ENV_ERROR, Episode, Row, Step, Task, segment_rows, training_rows
+
+
+@pytest.mark.parametrize("module", [algo, config, episode, learner])
+def test_docstring_examples(module):
+    result = doctest.testmod(module, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+def test_discounted_returns_exact():
+    assert algo.discounted_returns([1.0, 2.0, 3.0], 0.9) == [1.0 + 0.9 * (2.0 + 0.9 * 3.0), 2.0 + 0.9 * 3.0, 3.0]
+    assert algo.discounted_returns([], 0.9) == []
+
+
+def test_reinforce_pp_normalises_over_all_steps_of_the_batch():
+    adv = algo.reinforce_pp_advantages([[0.0, 0.0, 1.0], [0.0]], gamma=1.0, eps=0.0)
+    # returns: [1, 1, 1] and [0] -> mean 0.75, std sqrt(3)/4
+    assert adv == [[0.57735, 0.57735, 0.57735], [-1.732051]]
+    flat = torch.tensor([a for t in adv for a in t])
+    assert abs(flat.mean().item()) < 1e-6
+
+
+def test_rloo_and_grpo_are_zero_for_uniform_groups():
+    assert algo.rloo_advantages([1.0, 1.0, 1.0], [0, 0, 0]) == [0.0, 0.0, 0.0]
+    assert algo.grpo_advantages([1.0, 1.0], [0, 0]) == [0.0, 0.0]
+    with pytest.raises(ValueError, match="algo.advantage"):
+        algo.step_advantages([[1.0]], [0], "ppo")
+
+
+def test_dapo_normalisation_is_independent_of_micro_batching():
+    torch.manual_seed(0)
+    logp = torch.randn(10, requires_grad=True)
+    adv, mask = torch.randn(10), (torch.rand(10) > 0.3).float()
+    n = mask.sum().item()
+    whole = algo.policy_loss(logp, logp.detach(), adv, mask, n)
+    parts = sum(algo.policy_loss(logp[i : i + 3], logp[i : i + 3].detach(), adv[i : i + 3], mask[i : i + 3], n) for i in range(0, 10, 3))
+    assert torch.allclose(whole, parts)
+    (g1,) = torch.autograd.grad(whole, logp)
+    assert torch.allclose(g1, -(adv * mask) / n)
+
+
+def test_kl_estimators_exact_and_k3_nonnegative():
+    lp, ref = torch.tensor([0.0, -1.0]), torch.tensor([-1.0, 0.0])
+    assert torch.allclose(algo.kl_penalty(lp, ref, "k1"), torch.tensor([1.0, -1.0]))
+    assert torch.allclose(algo.kl_penalty(lp, ref, "k2"), torch.tensor([0.5, 0.5]))
+    e = torch.exp(torch.tensor(1.0))
+    assert torch.allclose(algo.kl_penalty(lp, ref, "k3"), torch.tensor([1 / e - 1 + 1, e - 1 - 1]))
+    assert (algo.kl_penalty(torch.randn(100), torch.randn(100), "k3") >= 0).all()
+    with pytest.raises(ValueError, match="kl_estimator"):
+        algo.kl_penalty(lp, ref, "k4")
+
+
+def test_dynamic_sampling_and_stabilisers():
+    keep = algo.dynamic_sampling_keep([0.0, 0.0, 0.3, 1.0, 1.0, 1.0], [0, 0, 1, 1, 2, 2], 0.0, 1.0)
+    assert keep == [False, False, True, True, False, False]
+    assert algo.shape_advantage(torch.tensor([2.0, -2.0]), neg_weight=0.25).tolist() == [2.0, -0.5]
+
+
+def _ep(rewards, group=0, status="answered"):
+    steps, ctx = [], [1]
+    for i, r in enumerate(rewards):
+        steps.append(Step(context_ids=list(ctx), action_ids=[10 + i, 20 + i], action_logprobs=[-1.0, -2.0], reward=r))
+        ctx = ctx + [10 + i, 20 + i, 99]
+    return Episode(Task("t", "q", ["a"]), steps, group=group, status=status)
+
+
+def test_training_rows_broadcast_step_advantages_to_action_tokens():
+    eps = [_ep([0.0, 1.0]), _ep([0.0, 0.0])]
+    rows = training_rows(eps, AlgoConfig(eps=0.0))
+    assert [len(r) for r in rows] == [6, 6]
+    assert rows[0].ids == [1, 10, 20, 99, 11, 21]
+    assert rows[0].mask == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert rows[0].adv == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert rows[1].adv == [0.0, -1.0, -1.0, 0.0, -1.0, -1.0]
+    assert rows[0].old_logp == [0.0, -1.0, -2.0, 0.0, -1.0, -2.0]
+
+
+def test_env_failures_masked_only_when_asked():
+    eps = [_ep([1.0]), _ep([0.0], status=ENV_ERROR)]
+    assert training_rows(eps, AlgoConfig())[1].mask == [0.0, 1.0, 1.0]
+    assert training_rows(eps, AlgoConfig(mask_env_failures=True))[1].mask == [0.0, 0.0, 0.0]
+
+
+def test_segment_rows_rejects_a_broken_prefix():
+    s0 = Step(context_ids=[1, 2], action_ids=[3], action_logprobs=[-1.0])
+    s1 = Step(context_ids=[1, 7, 3, 9], action_ids=[4], action_logprobs=[-1.0])
+    with pytest.raises(ValueError, match="not a prefix"):
+        segment_rows(Episode(Task("t", "q", []), [s0, s1]), [1.0, 1.0])
+
+
+def test_pack_rows_fills_budget_without_padding():
+    rows = [Row([0] * n, [0.0] * n, [0.0] * n, [0.0] * n) for n in [300, 200, 500, 100, 400, 250, 250]]
+    packed = learner.pack_rows(rows, budget=1000)
+    assert sorted(len(r) for mb in packed for r in mb) == sorted(len(r) for r in rows)
+    assert all(sum(len(r) for r in mb) <= 1000 for mb in packed)
+    assert len(packed) == 2  # 2000 tokens in two full micro-batches

@@ -1,0 +1,46 @@
+import pytest
+
+from l0_min.config import Config, ConfigError, load, resolve, save
+
+
+def test_defaults_file_then_overrides(tmp_path):
+    f = tmp_path / "x.yaml"
+    f.write_text("algo:\n  gamma: 0.5\n  kl_coef: 0.001\nrollout:\n  n_samples: 2\n")
+    cfg = resolve(["algo.gamma=0.9", "inference.urls=[http://a:1,http://b:2]"], config_file=f)
+    assert cfg.algo.gamma == 0.9 and cfg.algo.kl_coef == 0.001 and cfg.rollout.n_samples == 2
+    assert cfg.inference.urls == ["http://a:1", "http://b:2"]
+    assert cfg.learner.lr == Config().learner.lr
+
+
+def test_unknown_key_and_wrong_type_name_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="unknown key 'rollout.nsamples'"):
+        resolve(["rollout.nsamples=2"])
+    with pytest.raises(ConfigError, match="rollout.n_samples: expected int"):
+        resolve(["rollout.n_samples=two"])
+    with pytest.raises(ConfigError, match="sandbox.network: expected bool"):
+        resolve(["sandbox.network=3"])
+    with pytest.raises(ConfigError, match="unknown key 'nosuch'"):
+        resolve(["nosuch.x=1"])
+    f = tmp_path / "bad.yaml"
+    f.write_text("algo:\n  gamma: [1]\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml: algo.gamma: expected float"):
+        resolve(config_file=f)
+    with pytest.raises(ConfigError, match="config file not found"):
+        resolve(config_file=tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="not of the form"):
+        resolve(["algo.gamma"])
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = resolve(["algo.advantage=grpo", "learner.betas=[0.9,0.95]", "run.steps=3"])
+    save(cfg, tmp_path / "config.yaml")
+    assert load(tmp_path / "config.yaml") == cfg
+
+
+def test_every_shipped_config_file_loads():
+    from pathlib import Path
+
+    files = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+    assert files, "configs/ has no yaml files"
+    for f in files:
+        resolve(config_file=f)
