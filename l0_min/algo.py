@@ -149,18 +149,19 @@ def step_advantages(
 # filters and stabilisers
 
 
-def dynamic_sampling_keep(core_rewards: list[float], groups: list[int], low: float, high: float) -> list[bool]:
-    """DAPO dynamic sampling: False for every sample of a group whose core reward is all `low` or all `high`.
+def dynamic_sampling_keep(core_rewards: list[float], groups: list[int]) -> list[bool]:
+    """DAPO dynamic sampling: False for every sample of a group whose core reward has no variance.
 
+    For a 0/1 accuracy that is exactly "all minimum or all maximum"; for a graded core reward
+    (L0's 0.9 * EM + 0.1 * has_answer) it also drops a group that answered, all wrong, alike.
     Such a group has no learning signal under group baselines and only dilutes the batch.
 
-    >>> dynamic_sampling_keep([0, 0, 1, 1, 0, 1], [0, 0, 1, 1, 2, 2], low=0, high=1)
-    [False, False, False, False, True, True]
+    >>> dynamic_sampling_keep([0, 0, 1, 1, 0, 1, 0.1, 0.1], [0, 0, 1, 1, 2, 2, 3, 3])
+    [False, False, False, False, True, True, False, False]
     """
     keep = [True] * len(core_rewards)
     for idx in _by_group(core_rewards, groups).values():
-        vals = [core_rewards[i] for i in idx]
-        if all(v <= low for v in vals) or all(v >= high for v in vals):
+        if len({core_rewards[i] for i in idx}) == 1:
             for i in idx:
                 keep[i] = False
     return keep

@@ -36,7 +36,7 @@ class RunConfig:
     seed: int = 0
     steps: int = 10  # RL steps (learner updates)
     save_every: int = 0  # checkpoint every k steps (0: only on exit / stop signal)
-    eval_every: int = 0
+    eval_every: int = 0  # evaluate on data.eval: -1 never, 0 before and after training, k also every k steps
 
 
 @dataclass
@@ -102,6 +102,8 @@ class InferenceConfig:
     max_retries: int = 6  # on connection errors, 5xx, 503
     backoff: float = 0.5  # first retry delay, doubled each time
     down_after: float = 120.0  # a server unreachable this long ends the run with an error
+    # extra flags for the embedded server (python -m l0_min.serve --help), e.g. "--prefix-cache-tokens,0"
+    embedded_args: list[str] = field(default_factory=list)
 
 
 @dataclass

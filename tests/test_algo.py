@@ -60,8 +60,8 @@ def test_kl_estimators_exact_and_k3_nonnegative():
 
 
 def test_dynamic_sampling_and_stabilisers():
-    keep = algo.dynamic_sampling_keep([0.0, 0.0, 0.3, 1.0, 1.0, 1.0], [0, 0, 1, 1, 2, 2], 0.0, 1.0)
-    assert keep == [False, False, True, True, False, False]
+    keep = algo.dynamic_sampling_keep([0.0, 0.0, 0.3, 1.0, 1.0, 1.0, 0.5], [0, 0, 1, 1, 2, 2, 3])
+    assert keep == [False, False, True, True, False, False, False]  # a group of one has no variance
     assert algo.shape_advantage(torch.tensor([2.0, -2.0]), neg_weight=0.25).tolist() == [2.0, -0.5]
 
 

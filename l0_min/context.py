@@ -1,0 +1,180 @@
+"""The context watcher: the token ids of one episode's context, its budget, and memory truncation.
+
+The context only grows while the next action still has room (`AgentConfig.min_action_tokens`):
+
+    prompt(system, task) + action_1 + obs_1 + action_2 + obs_2 + ...        <- one segment
+
+Each observation's ids carry the chat wrapper around it (end of assistant turn, a user turn holding
+the observation, start of the next assistant turn), so every action is an assistant turn. Actions
+are appended as the exact ids the sampler returned; only observation text is ever tokenized.
+
+When the next action would not fit, the context is rebuilt (a new segment):
+
+    prompt(system, task + "N earlier steps were dropped" note + the notepad's current text)
+      + the most recent steps' action and observation ids, verbatim, as many as fit
+
+The first `keep_recent_steps` recent steps are kept whenever they fit at all; more are kept only
+while the rebuilt context stays under `rebuild_fill` of the window, so a rebuild frees real room
+instead of happening again on the next step. If even the rebuilt context without any step leaves
+no room for an action, `rebuild` returns False and the episode ends with MAX_TOKENS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from l0_min.config import AgentConfig
+
+CHATML_BEFORE = "<|im_end|>\n<|im_start|>user\n"
+CHATML_AFTER = "<|im_end|>\n<|im_start|>assistant\n"
+
+
+class ChatFormat:
+    """The tokenizer's chat template, as the three pieces the agent needs.
+
+    - `prompt_ids(system, user)`: the template's ids for a system + user turn and the generation prompt.
+    - `observation_ids(text, action_ids)`: ids of `before + text + after`, where `before` closes the
+      assistant turn and opens a user turn and `after` closes it and opens the next assistant turn.
+      Both are read once from the template by rendering a dummy conversation and cutting it at
+      marker strings; if that fails (an unusual template) ChatML is assumed. If the action already
+      ended with a special end token that `before` starts with (e.g. `<|im_end|>`), it is not repeated.
+    """
+
+    def __init__(self, tokenizer):
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError(
+                f"{type(tokenizer).__name__} has no chat_template; the agent needs a chat model "
+                "(set tokenizer.chat_template to a Jinja template, e.g. ChatML)"
+            )
+        self.tokenizer = tokenizer
+        self.special_ids = set(tokenizer.all_special_ids)
+        self.before, self.after = self._wrapper()
+
+    def _wrapper(self) -> tuple[str, str]:
+        act, obs = "\x00ACTION\x00", "\x00OBSERVATION\x00"
+        msgs = [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": act},
+            {"role": "user", "content": obs},
+        ]
+        try:
+            text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception:  # a template that rejects this conversation: fall back to ChatML
+            return CHATML_BEFORE, CHATML_AFTER
+        if text.count(act) != 1 or text.count(obs) != 1 or text.index(act) > text.index(obs):
+            return CHATML_BEFORE, CHATML_AFTER
+        tail = text[text.index(act) + len(act) :]
+        before, after = tail.split(obs)
+        return before, after
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def prompt_ids(self, system: str, user: str) -> list[int]:
+        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+        ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding from some versions
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def observation_ids(self, text: str, action_ids: list[int]) -> list[int]:
+        before = self.before
+        if action_ids:
+            last = action_ids[-1]
+            if last in self.special_ids:
+                tok = self.tokenizer.convert_ids_to_tokens(last)
+                if tok and before.startswith(tok):
+                    before = before[len(tok) :]
+        return self.encode(before + text + self.after)
+
+
+@dataclass
+class _Turn:
+    action_ids: list[int]
+    obs_ids: list[int]
+
+
+class ContextWatcher:
+    """Owns one episode's context ids; see the module docstring.
+
+        w = ContextWatcher(ChatFormat(tok), system, task_text, cfg.agent, cfg.sampling.max_new_tokens)
+        w.ids                    # the initial prompt: system + task + generation prompt
+        if w.needs_rebuild():    # less than min_room left for the next action
+            ok = w.rebuild(await kernel.read_notepad())   # False: not even the head fits
+        w.room()                 # max_new_tokens for the next action
+        w.append(action_ids, observation_ids)
+    """
+
+    def __init__(self, chat: ChatFormat, system: str, task_text: str, cfg: AgentConfig, max_new_tokens: int):
+        self.chat = chat
+        self.system = system
+        self.task_text = task_text
+        self.max_tokens = cfg.max_context_tokens
+        self.min_room = max(1, min(cfg.min_action_tokens, max_new_tokens))
+        self.keep_recent = cfg.keep_recent_steps
+        self.fill = cfg.rebuild_fill
+        self.turns: list[_Turn] = []  # every appended step of the episode, also the dropped ones
+        self.segment = 0
+        self.truncations = 0
+        self.dropped = 0  # steps not in the current context
+        self.ids: list[int] = chat.prompt_ids(system, task_text)
+
+    def room(self) -> int:
+        """Tokens left in the window for the next action."""
+        return self.max_tokens - len(self.ids)
+
+    def needs_rebuild(self) -> bool:
+        return self.room() < self.min_room
+
+    def append(self, action_ids: list[int], obs_ids: list[int]) -> None:
+        """The context grows by exactly the sampled action ids and the observation's ids."""
+        self.turns.append(_Turn(list(action_ids), list(obs_ids)))
+        self.ids = self.ids + list(action_ids) + list(obs_ids)
+
+    def rebuild_user_text(self, notepad: str, dropped: int) -> str:
+        kept = len(self.turns) - dropped
+        gone = "step 1 was" if dropped == 1 else f"steps 1-{dropped} were"
+        note = (
+            f"[Context rebuilt: {gone} dropped to save space"
+            + (f"; the last {kept} step(s) follow" if kept else "")
+            + ". Kernel variables and your notepad are kept.]"
+        )
+        notepad = notepad.strip() or "(empty)"
+        return f"{self.task_text}\n\n{note}\nNotepad:\n{notepad}"
+
+    def rebuild(self, notepad: str) -> bool:
+        """Start a new segment: system, task, drop note, notepad, then the most recent steps that fit.
+
+        Returns False (context left unchanged) if not even the head leaves `min_room` for an action.
+        """
+        n = len(self.turns)
+        limit = self.max_tokens - self.min_room
+        head_len = len(self.chat.prompt_ids(self.system, self.rebuild_user_text(notepad, n)))
+        if head_len > limit:
+            return False
+        # choose k recent steps, newest first
+        k, used = 0, head_len
+        for turn in reversed(self.turns):
+            need = len(turn.action_ids) + len(turn.obs_ids)
+            if used + need > limit:
+                break
+            if k >= self.keep_recent and used + need > self.fill * self.max_tokens:
+                break
+            k, used = k + 1, used + need
+        # the note's numbers change with k: shrink k until the exact rebuilt context fits
+        while True:
+            head = self.chat.prompt_ids(self.system, self.rebuild_user_text(notepad, n - k))
+            ids = list(head)
+            for turn in self.turns[n - k :]:
+                ids += turn.action_ids + turn.obs_ids
+            if len(ids) <= limit:
+                break
+            if k == 0:
+                return False
+            k -= 1
+        self.ids = ids
+        self.dropped = n - k
+        self.segment += 1
+        self.truncations += 1
+        return True

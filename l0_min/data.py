@@ -1,0 +1,572 @@
+"""Task sources: benchmark files in their public release layouts, the synthetic world, and corpora.
+
+    load_tasks("synthetic")                    # the offline world (data.synthetic_* settings)
+    load_tasks("synthetic:train")              # its train split; "synthetic:heldout" the rest
+    load_tasks("hotpotqa")                     # by name: $L0_MIN_DATA / data.data_dir, else the HF hub
+    load_tasks("path/to/dev.jsonl")            # any supported file, layout sniffed from its fields
+    load_benchmark("bamboogle", "test.csv", limit=10)
+
+Supported layouts (each also as .parquet, and .json/.jsonl optionally gzipped):
+
+| layout    | fields                                                        | benchmarks                      |
+| --------- | ------------------------------------------------------------- | ------------------------------- |
+| simpleqa  | metadata, problem, answer (CSV; metadata a Python-literal dict) | SimpleQA                      |
+| qa        | question, answer (str) [+ _id, type, level, supporting_facts, context, evidences] | HotpotQA, 2Wiki |
+| musique   | id, question, answer, answer_aliases, paragraphs, ...          | MuSiQue                         |
+| csv_qa    | Question, Answer                                              | Bamboogle                       |
+| answers   | question, answer/answers: [aliases]                           | NQ-open (also DPR .tsv qas)     |
+| triviaqa  | {Data: [{Question, QuestionId, Answer: {Value, Aliases, NormalizedAliases}}]}, or the flat HF form question, question_id, answer: {value, aliases, ...} | TriviaQA |
+| flashrag  | id, question, golden_answers [, metadata]                      | FlashRAG / Search-R1 data        |
+
+A malformed row raises `DataError` naming file and row (1-based data row: a CSV row after the
+header, a JSONL line, a JSON list item). With `skip_bad_rows=True` it is skipped, logged and
+counted: the returned `Tasks` list carries `.skipped` and `.errors`. Ids come from the row's id
+field (`_id`, `id`, `idx`, `QuestionId`, `question_id`), else `<file stem>:<row>`.
+"""
+
+from __future__ import annotations
+
+import ast
+import csv
+import functools
+import gzip
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Iterator
+
+from l0_min.config import DataConfig
+from l0_min.episode import Task
+from l0_min.rewards import light_normalize, normalize_answer
+
+log = logging.getLogger(__name__)
+
+
+class DataError(ValueError):
+    """A missing, unreadable or malformed data file; the message names the file (and row)."""
+
+
+class Tasks(list):
+    """A list of Task that also records where it came from and what was skipped."""
+
+    def __init__(self, items=(), source: str = "", skipped: int = 0, errors: list[str] | None = None):
+        super().__init__(items)
+        self.source = source
+        self.skipped = skipped
+        self.errors = errors or []
+
+
+# name -> (hub dataset repo, file in it). FlashRAG files are in the `flashrag` layout.
+_FLASHRAG = "RUC-NLPIR/FlashRAG_datasets"
+BENCHMARKS = {
+    "simpleqa": ("basicv8vc/SimpleQA", "simple_qa_test_set.csv"),
+    "hotpotqa": (_FLASHRAG, "hotpotqa/dev.jsonl"),
+    "musique": (_FLASHRAG, "musique/dev.jsonl"),
+    "2wikimultihopqa": (_FLASHRAG, "2wikimultihopqa/dev.jsonl"),
+    "bamboogle": (_FLASHRAG, "bamboogle/test.jsonl"),
+    "nq": (_FLASHRAG, "nq/test.jsonl"),
+    "triviaqa": (_FLASHRAG, "triviaqa/test.jsonl"),
+}
+ALIASES = {"2wiki": "2wikimultihopqa", "nq_open": "nq", "nq-open": "nq", "simple_qa": "simpleqa",
+           "hotpot": "hotpotqa", "hotpot_qa": "hotpotqa", "trivia_qa": "triviaqa"}
+_SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet", ".json.gz", ".jsonl.gz")
+
+
+class _RowError(ValueError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# reading records
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else open(path, encoding="utf-8", newline="")
+
+
+def _kind(path: Path) -> str:
+    name = path.name.lower()
+    for suf in (".jsonl.gz", ".json.gz", ".jsonl", ".json", ".csv", ".tsv", ".parquet"):
+        if name.endswith(suf):
+            return suf.split(".")[1]
+    raise DataError(f"{path}: unsupported file type (expected one of {', '.join(_SUFFIXES)})")
+
+
+def _plain(v):
+    """numpy arrays / scalars (from pandas) -> Python lists / scalars."""
+    if hasattr(v, "tolist") and not isinstance(v, (str, bytes)):
+        return _plain(v.tolist())
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
+
+
+def read_parquet(path: Path) -> list[dict]:
+    """Rows of a parquet file, with pyarrow (preferred) or pandas."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        pq = None
+    if pq is not None:
+        return [_plain(r) for r in pq.read_table(str(path)).to_pylist()]
+    try:
+        import pandas as pd
+    except ImportError:
+        raise DataError(f"{path}: reading parquet needs pyarrow or pandas (pip install pyarrow)") from None
+    return [_plain(r) for r in pd.read_parquet(path).to_dict("records")]
+
+
+def read_records(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
+    """(row number, record) for each data row of a file; an unreadable row yields an exception in
+    place of the record, so the caller decides whether to fail or skip."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file not found: {path}")
+    kind = _kind(path)
+    if kind == "parquet":
+        yield from enumerate(read_parquet(path), 1)
+    elif kind == "csv":
+        with _open_text(path) as f:
+            reader = csv.DictReader(f)
+            if not reader.fieldnames:
+                raise DataError(f"{path}: empty CSV (no header row)")
+            for i, row in enumerate(reader, 1):
+                if None in row:
+                    yield i, _RowError(f"more fields than the {len(reader.fieldnames)} of the header")
+                elif any(v is None for v in row.values()):
+                    yield i, _RowError(f"fewer fields than the {len(reader.fieldnames)} of the header")
+                else:
+                    yield i, row
+    elif kind == "tsv":  # DPR qas: question<TAB>['alias', ...], no header
+        with _open_text(path) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                parts = line.rstrip("\n").split("\t")
+                if len(parts) != 2:
+                    yield i, _RowError(f"expected 'question<TAB>answers', got {len(parts)} fields")
+                    continue
+                try:
+                    answers = ast.literal_eval(parts[1])
+                except (ValueError, SyntaxError):
+                    answers = [parts[1]]
+                yield i, {"question": parts[0], "answer": answers}
+    elif kind == "jsonl":
+        with _open_text(path) as f:
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield i, json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield i, _RowError(f"not valid JSON: {e}")
+    else:
+        with _open_text(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON: {e}") from None
+        if isinstance(data, dict) and isinstance(data.get("Data"), list):  # TriviaQA rc / unfiltered
+            data = data["Data"]
+        elif isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise DataError(f"{path}: expected a JSON list of rows (or TriviaQA's {{'Data': [...]}}), "
+                            f"got {type(data).__name__}")
+        yield from enumerate(data, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# row layouts
+
+
+def detect_layout(row: dict) -> str:
+    """The layout of a row, from its fields.
+
+    >>> detect_layout({"question": "q", "golden_answers": ["a"]})
+    'flashrag'
+    >>> detect_layout({"Question": "q", "Answer": "a"})
+    'csv_qa'
+    """
+    if not isinstance(row, dict):
+        raise _RowError(f"expected an object with fields, got {type(row).__name__}")
+    keys = set(row)
+    if "golden_answers" in keys:
+        return "flashrag"
+    if {"problem", "answer"} <= keys:
+        return "simpleqa"
+    if "paragraphs" in keys or "answer_aliases" in keys:
+        return "musique"
+    if "Question" in keys and isinstance(row.get("Answer"), dict):
+        return "triviaqa"
+    if "question" in keys and isinstance(row.get("answer"), dict):
+        return "triviaqa"
+    if {"Question", "Answer"} <= keys:
+        return "csv_qa"
+    if "question" in keys and (isinstance(row.get("answer"), list) or isinstance(row.get("answers"), list)):
+        return "answers"
+    if {"question", "answer"} <= keys:
+        return "qa"
+    raise _RowError(f"unknown layout, fields: {sorted(keys)[:12]}")
+
+
+def _text(row: dict, key: str) -> str:
+    if key not in row:
+        raise _RowError(f"missing field '{key}'")
+    v = row[key]
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        v = str(v)
+    if not isinstance(v, str) or not v.strip():
+        raise _RowError(f"field '{key}' must be a non-empty string, got {v!r}")
+    return v.strip()
+
+
+def _alias_list(v, key: str) -> list[str]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list):
+        raise _RowError(f"field '{key}' must be a list of strings, got {type(v).__name__}")
+    out = []
+    for a in v:
+        if isinstance(a, (int, float)) and not isinstance(a, bool):
+            a = str(a)
+        if not isinstance(a, str):
+            raise _RowError(f"field '{key}' has a non-string answer {a!r}")
+        out.append(a.strip())
+    return out
+
+
+def dedupe_answers(answers: list[str]) -> list[str]:
+    """Drop blank answers and repeats under answer normalisation, keeping the first spelling.
+    (An answer that normalises to "" such as "A+" is kept, compared by its light normalisation.)
+
+    >>> dedupe_answers(["The Beatles", "beatles", "", "Fab Four", "A+", "a+"])
+    ['The Beatles', 'Fab Four', 'A+']
+    """
+    seen, out = set(), []
+    for a in answers:
+        n = normalize_answer(a) or light_normalize(a)
+        if n and n not in seen:
+            seen.add(n)
+            out.append(a)
+    return out
+
+
+def _context(v) -> list[list]:
+    """HotpotQA context as [[title, [sentences]]], from the release form or HF's {title, sentences}."""
+    if isinstance(v, dict) and "title" in v and "sentences" in v:
+        v = [[t, s] for t, s in zip(v["title"], v["sentences"])]
+    if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                          and isinstance(p[1], list) for p in v):
+        raise _RowError("field 'context' must be [[title, [sentences]], ...]")
+    return [[t, [str(s) for s in sents]] for t, sents in v]
+
+
+def _paragraphs(v) -> list[dict]:
+    if not isinstance(v, list) or not all(isinstance(p, dict) and "title" in p and "paragraph_text" in p for p in v):
+        raise _RowError("field 'paragraphs' must be a list of {title, paragraph_text, ...}")
+    return v
+
+
+def _parse(layout: str, row: dict) -> tuple[str, list[str], dict]:
+    """(question, answers, meta) of one row of a layout."""
+    meta: dict = {}
+    if layout == "simpleqa":
+        q, answers = _text(row, "problem"), [_text(row, "answer")]
+        md = row.get("metadata")
+        if isinstance(md, str) and md.strip():
+            try:
+                md = ast.literal_eval(md)
+            except (ValueError, SyntaxError):
+                raise _RowError("field 'metadata' is not a Python-literal dict") from None
+        if md is not None and not isinstance(md, dict):
+            raise _RowError(f"field 'metadata' must be a dict, got {type(md).__name__}")
+        meta.update(md or {})
+    elif layout == "qa":
+        q, answers = _text(row, "question"), [_text(row, "answer")]
+        for k in ("type", "level", "supporting_facts", "evidences"):
+            if k in row:
+                meta[k] = row[k]
+        if row.get("context"):
+            meta["context"] = _context(row["context"])
+    elif layout == "musique":
+        q = _text(row, "question")
+        answers = [_text(row, "answer")] + _alias_list(row.get("answer_aliases") or [], "answer_aliases")
+        meta["paragraphs"] = _paragraphs(row.get("paragraphs") or [])
+        for k in ("answerable", "question_decomposition"):
+            if k in row:
+                meta[k] = row[k]
+    elif layout == "csv_qa":
+        q, answers = _text(row, "Question"), [_text(row, "Answer")]
+    elif layout == "answers":
+        q = _text(row, "question")
+        key = "answer" if "answer" in row else "answers"
+        answers = _alias_list(row[key], key)
+    elif layout == "triviaqa":
+        qk, ak = ("Question", "Answer") if "Question" in row else ("question", "answer")
+        q, a = _text(row, qk), row[ak]
+        low = {k.lower(): v for k, v in a.items()}
+        value = low.get("value")
+        if not isinstance(value, str) or not value.strip():
+            raise _RowError(f"field '{ak}' has no 'Value'")
+        answers = ([value] + _alias_list(low.get("aliases") or [], f"{ak}.Aliases")
+                   + _alias_list(low.get("normalizedaliases") or low.get("normalized_aliases") or [],
+                                 f"{ak}.NormalizedAliases"))
+    elif layout == "flashrag":
+        q, answers = _text(row, "question"), _alias_list(row["golden_answers"], "golden_answers")
+        md = row.get("metadata") or {}
+        if isinstance(md, dict):
+            meta.update(md)
+            if md.get("context"):
+                meta["context"] = _context(md["context"])
+            if md.get("paragraphs"):
+                meta["paragraphs"] = _paragraphs(md["paragraphs"])
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    answers = dedupe_answers(answers)
+    if not answers:
+        raise _RowError("no non-empty answer")
+    return q, answers, meta
+
+
+_ID_KEYS = ("_id", "id", "idx", "QuestionId", "question_id")
+
+
+def _row_id(row: dict) -> str | None:
+    for k in _ID_KEYS:
+        v = row.get(k)
+        if isinstance(v, (str, int)) and not isinstance(v, bool) and str(v).strip():
+            return str(v).strip()
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# loading
+
+
+def load_file(path: str | Path, limit: int | None = None, skip_bad_rows: bool = False,
+              benchmark: str | None = None) -> Tasks:
+    """Tasks of one benchmark file of any supported layout (see the module docstring)."""
+    path = Path(path)
+    stem = path.name.split(".")[0]
+    out = Tasks(source=str(path))
+    layout = None
+    seen: dict[str, int] = {}
+    for i, row in read_records(path):
+        if limit is not None and len(out) >= limit:
+            break
+        try:
+            if isinstance(row, Exception):
+                raise row
+            layout = layout or detect_layout(row)
+            q, answers, meta = _parse(layout, row)
+            tid = _row_id(row) or f"{stem}:{i}"
+            if tid in seen:
+                raise _RowError(f"duplicate id {tid!r} (first at row {seen[tid]})")
+        except _RowError as e:
+            msg = f"{path}: row {i}: {e}"
+            if not skip_bad_rows:
+                raise DataError(msg + " (pass skip_bad_rows=True to skip bad rows)") from None
+            out.skipped += 1
+            out.errors.append(msg)
+            continue
+        seen[tid] = i
+        meta = {"benchmark": benchmark or layout, "row": i, **meta}
+        out.append(Task(id=tid, question=q, answers=answers, meta=meta))
+    if out.skipped:
+        log.warning("%s: skipped %d bad rows, first: %s", path, out.skipped, out.errors[0])
+    if not out and limit != 0:
+        raise DataError(f"{path}: no tasks" + (f" ({out.skipped} bad rows skipped)" if out.skipped else ""))
+    return out
+
+
+def benchmark_name(name: str) -> str:
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in BENCHMARKS:
+        raise DataError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)} (or pass a file path)")
+    return key
+
+
+def find_benchmark_file(name: str, root: str | Path) -> Path:
+    """The one data file of benchmark `name` under `root`: root itself if a file, else the files in
+    root/<name>/, root/benchmarks/<name>/ or root/ (the first of those that has any)."""
+    root = Path(root)
+    if root.is_file():
+        return root
+    if not root.is_dir():
+        raise DataError(f"benchmark {name}: {root} is neither a file nor a folder")
+    for folder in (root / name, root / "benchmarks" / name, root):
+        files = sorted(p for p in folder.glob("*") if p.is_file() and p.name.lower().endswith(_SUFFIXES)) \
+            if folder.is_dir() else []
+        if len(files) == 1:
+            return files[0]
+        if len(files) > 1:
+            raise DataError(f"benchmark {name}: several data files in {folder}, pass one as path: "
+                            + ", ".join(p.name for p in files))
+    raise DataError(f"benchmark {name}: no data file ({', '.join(_SUFFIXES)}) in {root}/{name}, "
+                    f"{root}/benchmarks/{name} or {root}")
+
+
+def _from_hub(name: str) -> Path:
+    repo, filename = BENCHMARKS[name]
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise DataError(f"benchmark {name}: no local file (pass path= or set L0_MIN_DATA / data.data_dir), and "
+                        f"huggingface_hub is not installed to fetch {repo}/{filename}") from None
+    try:
+        return Path(hf_hub_download(repo, filename, repo_type="dataset"))
+    except Exception as e:  # offline, gated, moved: all the same to the user
+        raise DataError(f"benchmark {name}: no local file (pass path= or set L0_MIN_DATA / data.data_dir), and "
+                        f"fetching {repo}/{filename} from the Hugging Face hub failed: {type(e).__name__}: {str(e)[:300]}") from None
+
+
+def load_benchmark(name: str, path: str | None = None, limit: int | None = None,
+                   skip_bad_rows: bool = False, data_dir: str | None = None) -> Tasks:
+    """A benchmark by name, from `path` (a file, or a folder searched as in `find_benchmark_file`),
+    else from `data_dir` or $L0_MIN_DATA, else downloaded from the Hugging Face hub (online only)."""
+    key = benchmark_name(name)
+    root = path or data_dir or os.environ.get("L0_MIN_DATA")
+    file = find_benchmark_file(key, root) if root else _from_hub(key)
+    return load_file(file, limit=limit, skip_bad_rows=skip_bad_rows, benchmark=key)
+
+
+def load_tasks(spec: str, cfg: DataConfig | None = None, limit: int | None = None) -> Tasks:
+    """Tasks from a spec: "synthetic" (all), "synthetic:train" / "synthetic:heldout", a benchmark
+    name, or a file path (layout sniffed)."""
+    from l0_min import world
+
+    cfg = cfg or DataConfig()
+    spec = spec.strip()
+    if spec.split(":")[0] == "synthetic":
+        part = spec.split(":", 1)[1] if ":" in spec else "all"
+        w = world.make_world(cfg.synthetic_seed, cfg.synthetic_entities, cfg.synthetic_tasks)
+        train, held = world.split(w.tasks, cfg.synthetic_heldout)
+        parts = {"all": w.tasks, "train": train, "heldout": held}
+        if part not in parts:
+            raise DataError(f"data spec {spec!r}: expected synthetic, synthetic:train or synthetic:heldout")
+        return Tasks(parts[part][:limit], source=f"synthetic(seed={cfg.synthetic_seed}, "
+                     f"entities={cfg.synthetic_entities}, tasks={cfg.synthetic_tasks}):{part}")
+    if Path(spec).is_file():
+        return load_file(spec, limit=limit, skip_bad_rows=cfg.skip_bad_rows)
+    key = spec.lower()
+    if ALIASES.get(key, key) in BENCHMARKS:
+        return load_benchmark(key, limit=limit, skip_bad_rows=cfg.skip_bad_rows, data_dir=cfg.data_dir or None)
+    raise DataError(f"data spec {spec!r} is not 'synthetic[:train|:heldout]', a benchmark name "
+                    f"({', '.join(BENCHMARKS)}), or an existing file")
+
+
+# ---------------------------------------------------------------------------------------------
+# corpora
+
+
+def doc_id(title: str, text: str) -> str:
+    """Stable id of a paragraph: a hash of its title and text (independent of which tasks are loaded).
+
+    >>> doc_id("Ed Wood", "Edward Davis Wood Jr. was an American filmmaker.")
+    'p-cc03405bdb'
+    """
+    return "p-" + hashlib.sha1(f"{title}\n{text}".encode()).hexdigest()[:10]
+
+
+@functools.lru_cache(maxsize=8)
+def _world_corpus(seed: int, n_entities: int) -> tuple:
+    from l0_min.world import make_world
+
+    return tuple(make_world(seed, n_entities, n_tasks=0).corpus)
+
+
+def corpus_from_tasks(tasks: list[Task]) -> list[dict]:
+    """The union of the tasks' own paragraphs, deduplicated: HotpotQA/2Wiki `context`, MuSiQue
+    `paragraphs`, and the synthetic world's pages. [] when the tasks carry none.
+
+    >>> t = Task("1", "q", ["a"], {"context": [["Ed Wood", ["Ed Wood was", " a director."]]]})
+    >>> corpus_from_tasks([t, t])
+    [{'id': 'p-fe3483079e', 'title': 'Ed Wood', 'text': 'Ed Wood was a director.'}]
+    """
+    docs: dict[str, dict] = {}
+    for t in tasks:
+        m = t.meta
+        if m.get("source") == "world":
+            for d in _world_corpus(m["seed"], m["n_entities"]):
+                docs.setdefault(d["id"], dict(d))
+        for title, sents in m.get("context") or []:
+            text = "".join(sents).strip()
+            if text:
+                docs.setdefault(doc_id(title, text), {"id": doc_id(title, text), "title": title, "text": text})
+        for p in m.get("paragraphs") or []:
+            title, text = p["title"], p["paragraph_text"].strip()
+            if text:
+                docs.setdefault(doc_id(title, text), {"id": doc_id(title, text), "title": title, "text": text})
+    return list(docs.values())
+
+
+def kilt_passages(title: str, paragraphs: list[str], words: int = 100) -> list[str]:
+    """A KILT page as passages of `words` words (DPR-style chunks of the page's running text).
+    The title line, "Section::::" headings and "BULLET::::" markers are dropped.
+
+    >>> kilt_passages("A", ["A\\n", "one two three\\n", "Section::::History.\\n", "BULLET::::- four five\\n"], words=2)
+    ['one two', 'three four', 'five']
+    """
+    stream: list[str] = []
+    for i, p in enumerate(paragraphs):
+        p = p.strip()
+        if not p or (i == 0 and p == title.strip()) or p.startswith("Section::::"):
+            continue
+        stream += p.replace("BULLET::::-", "").replace("BULLET::::", "").split()
+    return [" ".join(stream[j:j + words]) for j in range(0, len(stream), words)]
+
+
+def load_corpus(path: str | Path, passage_words: int = 100, limit: int | None = None) -> list[dict]:
+    """Documents {id, title, text} of a JSONL/JSON/parquet corpus in one of the forms
+    {id, title, text}, KILT {wikipedia_id?, wikipedia_title, text: [paragraphs]} (split into
+    passages of `passage_words` words, ids "<wikipedia_id or title>#<k>"), or wiki-18 DPR
+    {id, contents: '"Title"\\ntext'}. Raises DataError naming file and row for a bad row or a
+    repeated id."""
+    path = Path(path)
+    stem = path.name.split(".")[0]
+    docs: list[dict] = []
+    seen: dict[str, int] = {}
+    for i, row in read_records(path):
+        if limit is not None and len(docs) >= limit:
+            break
+        try:
+            if isinstance(row, Exception):
+                raise row
+            if not isinstance(row, dict):
+                raise _RowError(f"expected an object, got {type(row).__name__}")
+            if "contents" in row:
+                contents = row["contents"]
+                if not isinstance(contents, str):
+                    raise _RowError("field 'contents' must be a string")
+                first, _, text = contents.partition("\n")
+                new = [(_row_id(row) or f"{stem}:{i}", first.strip().strip('"'), text.strip())]
+            elif "wikipedia_title" in row:
+                if not isinstance(row.get("text"), list):
+                    raise _RowError("KILT row: field 'text' must be a list of paragraphs")
+                title = _text(row, "wikipedia_title")
+                base = str(row.get("wikipedia_id") or title)
+                new = [(f"{base}#{k}", title, t) for k, t in enumerate(kilt_passages(title, row["text"], passage_words))]
+            elif "text" in row and "title" in row:
+                if not isinstance(row["text"], str) or not isinstance(row["title"], str):
+                    raise _RowError("fields 'title' and 'text' must be strings")
+                new = [(_row_id(row) or f"{stem}:{i}", row["title"].strip(), row["text"].strip())]
+            else:
+                raise _RowError(f"not a corpus row ({{id, title, text}}, KILT or wiki-18); fields: {sorted(row)[:12]}")
+            for did, _, _ in new:
+                if did in seen:
+                    raise _RowError(f"duplicate document id {did!r} (first at row {seen[did]})")
+        except _RowError as e:
+            raise DataError(f"{path}: row {i}: {e}") from None
+        for did, title, text in new:
+            seen[did] = i
+            docs.append({"id": did, "title": title, "text": text})
+    if not docs:
+        raise DataError(f"{path}: no documents")
+    return docs
+

@@ -1,0 +1,330 @@
+"""What a training run leaves on disk, and the numbers it prints and plots.
+
+A run folder (`RunDir`) looks like this:
+
+    runs/<name>/
+      config.yaml                 the resolved config (written by the caller with l0_min.config.save)
+      metrics.jsonl               one JSON object per RL step: {"step": 1, "reward": 0.41, ...}
+      trajectories/step_00001.jsonl   one Episode.to_json() per line, every episode of that step
+      checkpoints/
+      plots/rewards.png           plot_rewards(metrics.jsonl)
+      viewer.html                 l0_min.viewer.write_viewer(run folder): browse the trajectories
+
+`batch_metrics(episodes)` turns one step's episodes into flat named numbers; `MetricsLogger` appends
+them to metrics.jsonl (and to TensorBoard / Weights & Biases when asked for and installed);
+`format_step_row` is the one-line-per-step table that train.py prints under `STEP_HEADER`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+from l0_min.episode import ANSWERED, STATUSES, Episode
+
+
+class RunDir:
+    """The folder layout of one run. Creating it makes the folders; files are written by their owners."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.config_yaml = self.path / "config.yaml"
+        self.metrics_jsonl = self.path / "metrics.jsonl"
+        self.trajectories = self.path / "trajectories"
+        self.checkpoints = self.path / "checkpoints"
+        self.plots = self.path / "plots"
+        self.viewer_html = self.path / "viewer.html"
+        if self.path.exists() and not self.path.is_dir():
+            raise NotADirectoryError(f"run folder {self.path} exists and is not a folder")
+        for d in (self.path, self.trajectories, self.checkpoints, self.plots):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def trajectory_path(self, step: int, prefix: str = "step") -> Path:
+        """trajectories/step_00001.jsonl (prefix "eval" gives eval_00001.jsonl)."""
+        if not re.fullmatch(r"[A-Za-z0-9-]+", prefix):
+            raise ValueError(f"trajectory file prefix must be letters, digits or '-', got {prefix!r}")
+        return self.trajectories / f"{prefix}_{step:05d}.jsonl"
+
+    def write_trajectories(self, step: int, episodes: list[Episode], prefix: str = "step", append: bool = False) -> Path:
+        """Write one Episode.to_json() per line; overwrites the step's file unless append=True."""
+        path = self.trajectory_path(step, prefix)
+        with open(path, "a" if append else "w", encoding="utf-8") as f:
+            for ep in episodes:
+                f.write(json.dumps(ep.to_json(), ensure_ascii=False) + "\n")
+        return path
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+
+def read_episodes(path: str | Path) -> list[Episode]:
+    """The episodes of one trajectories/*.jsonl file (written by RunDir.write_trajectories)."""
+    out = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(Episode.from_json(json.loads(line)))
+            except (json.JSONDecodeError, TypeError, KeyError) as e:
+                raise ValueError(f"{path}:{i}: not an Episode record: {e}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# one step's numbers
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def batch_metrics(episodes: list[Episode]) -> dict:
+    """Flat, named statistics of one RL step's episodes (pure: no I/O, no clock).
+
+    Rewards (`reward`, `reward/<component>`) are means over the episodes that train, i.e. not
+    `masked`; a component is averaged over the episodes that report it. Everything else counts
+    all episodes, masked ones included, because failures are what those numbers are for.
+
+    keys:
+      episodes, masked                        counts
+      reward, reward/answer, reward/format,   means over non-masked episodes (None if all masked)
+        reward/exec, reward/em, reward/f1, ... (every numeric key found in Episode.rewards)
+      status/<status>                         count per status (every known status, zeros included)
+      answered_rate                           status == "answered" / episodes
+      steps_per_ep/mean, steps_per_ep/max     agent steps per episode
+      tokens_per_ep/mean, tokens_per_ep/max   sampled action tokens per episode
+      tools/<tool>                            sum of Episode.tool_calls
+      exec_steps                              steps that ran code (exec_ok is not None)
+      exec_error_rate                         steps with exec_ok False / exec_steps (None if 0)
+      truncations                             sum of context rebuilds
+      weight_versions                         sorted distinct policy versions of episodes and steps
+
+    >>> from l0_min.episode import Step, Task
+    >>> ep = Episode(Task("t", "q", ["a"]), [Step([], [1, 2], [0, 0], exec_ok=False)], status="answered",
+    ...              reward=1.0, rewards={"em": 1.0})
+    >>> m = batch_metrics([ep, Episode(Task("u", "q", ["b"]), masked=True, status="env_error")])
+    >>> m["reward"], m["reward/em"], m["status/env_error"], m["answered_rate"], m["exec_error_rate"]
+    (1.0, 1.0, 1, 0.5, 1.0)
+    """
+    if not episodes:
+        raise ValueError("batch_metrics: no episodes (a step must collect at least one)")
+    n = len(episodes)
+    train = [ep for ep in episodes if not ep.masked]
+    m: dict = {"episodes": n, "masked": n - len(train), "reward": _mean([ep.reward for ep in train])}
+
+    components = sorted({k for ep in train for k, v in ep.rewards.items() if _is_number(v)})
+    for k in components:
+        m[f"reward/{k}"] = _mean([float(ep.rewards[k]) for ep in train if _is_number(ep.rewards.get(k))])
+
+    statuses = list(STATUSES) + sorted({ep.status for ep in episodes} - set(STATUSES))
+    for s in statuses:
+        m[f"status/{s}"] = sum(ep.status == s for ep in episodes)
+    m["answered_rate"] = m[f"status/{ANSWERED}"] / n
+
+    steps = [len(ep.steps) for ep in episodes]
+    tokens = [ep.n_action_tokens for ep in episodes]
+    m["steps_per_ep/mean"], m["steps_per_ep/max"] = sum(steps) / n, max(steps)
+    m["tokens_per_ep/mean"], m["tokens_per_ep/max"] = sum(tokens) / n, max(tokens)
+
+    tools: dict[str, int] = {}
+    for ep in episodes:
+        for tool, count in ep.tool_calls.items():
+            tools[tool] = tools.get(tool, 0) + count
+    for tool in sorted(tools):
+        m[f"tools/{tool}"] = tools[tool]
+
+    ran = [s.exec_ok for ep in episodes for s in ep.steps if s.exec_ok is not None]
+    m["exec_steps"] = len(ran)
+    m["exec_error_rate"] = (sum(ok is False for ok in ran) / len(ran)) if ran else None
+    m["truncations"] = sum(ep.truncations for ep in episodes)
+    versions = {ep.weight_version for ep in episodes} | {s.weight_version for ep in episodes for s in ep.steps}
+    m["weight_versions"] = sorted(v for v in versions if v)
+    return m
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# ---------------------------------------------------------------------------------------------
+# sinks
+
+
+def _jsonable(v):
+    """Plain JSON values: tensors / numpy scalars become numbers, NaN and inf become None."""
+    if hasattr(v, "item") and callable(v.item) and getattr(v, "ndim", 0) == 0:
+        v = v.item()
+    elif hasattr(v, "tolist") and callable(v.tolist):
+        v = v.tolist()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    return str(v)
+
+
+def _warn(msg: str) -> None:
+    print(f"l0_min.log: warning: {msg}", file=sys.stderr, flush=True)
+
+
+class MetricsLogger:
+    """Append one JSON line per step to metrics.jsonl, and mirror the numbers to optional sinks.
+
+    metrics.jsonl is always written and is the source of truth. TensorBoard (cfg.tensorboard, needs
+    the `tensorboard` package) and Weights & Biases (cfg.wandb, needs `wandb`) get the numeric values
+    only; a sink that is asked for but cannot start prints one warning line and is skipped.
+    """
+
+    def __init__(self, run_dir: RunDir | str | Path, cfg=None, config: dict | None = None):
+        from l0_min.config import LogConfig
+
+        self.run_dir = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+        self.cfg = cfg if cfg is not None else LogConfig()
+        self.sinks = ["jsonl"]
+        self._file = open(self.run_dir.metrics_jsonl, "a", encoding="utf-8")
+        self._tb = None
+        self._wandb = None
+        if self.cfg.tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(log_dir=str(self.run_dir.path / "tensorboard"))
+                self.sinks.append("tensorboard")
+            except ImportError as e:
+                _warn(f"log.tensorboard=true but TensorBoard is not importable ({e}); "
+                      "`pip install tensorboard` to use it. Logging to metrics.jsonl only.")
+        if self.cfg.wandb:
+            try:
+                import wandb
+
+                self._wandb = wandb.init(project=self.cfg.wandb_project, name=self.run_dir.path.name,
+                                         dir=str(self.run_dir.path), config=config)
+                self.sinks.append("wandb")
+            except ImportError as e:
+                _warn(f"log.wandb=true but wandb is not importable ({e}); "
+                      "`pip install wandb` to use it. Logging to metrics.jsonl only.")
+            except Exception as e:  # no login, no network: the run goes on, metrics.jsonl has it all
+                _warn(f"log.wandb=true but wandb.init failed ({type(e).__name__}: {e}). "
+                      "Logging to metrics.jsonl only.")
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **_jsonable(metrics)}
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._file.flush()
+        scalars = {k: v for k, v in record.items() if k != "step" and _is_number(v)}
+        if self._tb is not None:
+            for k, v in scalars.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=step)
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
+
+    def __enter__(self) -> "MetricsLogger":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The records of a metrics.jsonl. A torn last line (a run killed mid-write) is skipped."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    out = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if i == len(lines):
+                break
+            raise ValueError(f"{path}:{i}: not JSON: {e}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# plot
+
+_REWARD_LINES = [("reward", "total", 2.5), ("reward/answer", "answer", 1.2),
+                 ("reward/format", "format", 1.2), ("reward/exec", "exec", 1.2)]
+_ACCURACY_LINES = [("reward/em", "EM", 2.5), ("reward/f1", "F1", 1.2), ("answered_rate", "answered", 1.2)]
+
+
+def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
+    """Two panels against RL step: the reward and its components; EM, F1 and the answered rate."""
+    from matplotlib.figure import Figure  # no pyplot: no global backend, safe in any process
+
+    records = read_metrics(metrics_jsonl)
+    fig = Figure(figsize=(10, 3.8), dpi=100, layout="constrained")
+    axes = fig.subplots(1, 2)
+    for ax, title, lines in ((axes[0], "reward (mean over episodes)", _REWARD_LINES),
+                             (axes[1], "accuracy", _ACCURACY_LINES)):
+        drawn = 0
+        for key, label, width in lines:
+            pts = [(r["step"], r[key]) for r in records if _is_number(r.get(key)) and "step" in r]
+            if pts:
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, label=label, linewidth=width, marker="o" if len(pts) <= 30 else None,
+                        markersize=3)
+                drawn += 1
+        ax.set_title(title)
+        if lines is _ACCURACY_LINES:
+            ax.set_ylim(-0.03, 1.03)  # rates: a fixed scale reads at a glance
+        ax.set_xlabel("RL step")
+        ax.grid(alpha=0.3)
+        if drawn:
+            ax.legend(loc="best", fontsize=9)
+        else:
+            ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
+    fig.suptitle(f"{Path(metrics_jsonl).parent.name}: {len(records)} steps", fontsize=11)
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png)
+    return out_png
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-step table train.py prints
+
+_COLUMNS = [  # (header, metrics key, width, format)
+    ("step", None, 6, "d"),
+    ("reward", "reward", 8, ".3f"),
+    ("EM", "reward/em", 7, ".3f"),
+    ("format", "reward/format", 7, ".3f"),
+    ("exec", "reward/exec", 7, ".3f"),
+    ("steps/ep", "steps_per_ep/mean", 9, ".2f"),
+    ("tok/ep", "tokens_per_ep/mean", 8, ".0f"),
+    ("sec", "seconds", 8, ".1f"),
+]
+
+STEP_HEADER = "".join(f"{h:>{w}}" for h, _, w, _ in _COLUMNS)
+
+
+def format_step_row(step: int, metrics: dict) -> str:
+    """One fixed-width line per RL step, aligned under STEP_HEADER; a missing value prints '-'.
+
+    >>> print(STEP_HEADER); print(format_step_row(3, {"reward": 0.5, "reward/em": 0.25, "seconds": 12.34}))
+      step  reward     EM format   exec steps/ep  tok/ep     sec
+         3   0.500  0.250      -      -        -       -    12.3
+    """
+    cells = []
+    for _, key, width, fmt in _COLUMNS:
+        v = step if key is None else metrics.get(key)
+        cells.append(f"{v:>{width}{fmt}}" if _is_number(v) else f"{'-':>{width}}")
+    return "".join(cells)

@@ -1,0 +1,400 @@
+"""Rewards: answer normalisation, exact match, token F1, the L0 reward terms, and an LLM judge.
+
+The RL reward of one episode (defaults of `RewardConfig`):
+
+    total = 0.8 * answer + 0.1 * format + 0.1 * exec
+    answer = 0.9 * EM(final answer, gold aliases) + 0.1 * has_answer      (L0's final-answer reward)
+    format = mean over steps of 1[one <think> of > 10 chars and one <code> of > 5 chars]
+    exec   = mean over steps that ran code of 1[the code ran without an error]
+
+`score_episode` also spreads that total over the steps for the learner (see its docstring).
+
+Normalisation follows SQuAD / HotpotQA (lowercase, drop punctuation, drop a/an/the, collapse
+whitespace) but is Unicode-aware, where the L0 / SQuAD code keeps only what `string.punctuation`
+knows and L0 drops non-ASCII letters:
+
+    >>> normalize_answer("The  Café, Paris!")
+    'café paris'
+    >>> normalize_answer("U.S. $1,000")
+    'us 1000'
+
+Decisions, so that two spellings of the same answer compare equal:
+- NFKC first: composed and decomposed accents become one form ("e" + U+0301 -> "é"),
+  full-width and ligature forms fold ("Ｔｏｋｙｏ" -> "tokyo", "ﬁ" -> "fi"), "²" -> "2".
+- `str.casefold` instead of `lower` ("Straße" == "STRASSE"); identical on ASCII.
+- punctuation is every character whose Unicode category is P* or S* (on ASCII this is exactly
+  `string.punctuation`), removed without inserting a space, as SQuAD does ("U.S." -> "us").
+  Accented letters, CJK, digits and combining marks stay.
+- no accent stripping: "café" != "cafe", as the gold spelling is what counts.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Iterable
+
+from l0_min.config import RewardConfig
+from l0_min.episode import Episode
+
+# ---------------------------------------------------------------------------------------------
+# normalisation, EM, F1
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def _is_punct(ch: str) -> bool:
+    return unicodedata.category(ch)[0] in "PS"
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD/HotpotQA normalisation, Unicode-aware (see the module docstring).
+
+    >>> normalize_answer("An Apple a day")
+    'apple day'
+    >>> normalize_answer("Ｔｏｋｙｏ")
+    'tokyo'
+    >>> normalize_answer("  ")
+    ''
+    """
+    if not isinstance(s, str):
+        raise TypeError(f"normalize_answer expects a str, got {type(s).__name__}: {s!r}")
+    s = unicodedata.normalize("NFKC", s).casefold()
+    s = "".join(ch for ch in s if not _is_punct(ch))
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def light_normalize(s: str) -> str:
+    """NFKC, casefold and collapse whitespace only: used for a gold that `normalize_answer` maps to
+    "" (NQ has "A+" and "---"), so such a gold can still be matched exactly.
+
+    >>> normalize_answer("A+"), light_normalize(" A+ ")
+    ('', 'a+')
+    """
+    return " ".join(unicodedata.normalize("NFKC", s).casefold().split())
+
+
+def _golds(golds: str | Iterable[str]) -> list[str]:
+    golds = [golds] if isinstance(golds, str) else list(golds)
+    if not golds:
+        raise ValueError("no gold answers given")
+    return golds
+
+
+def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 when the normalised prediction equals a normalised gold alias, else 0.0.
+
+    A blank (or None) prediction never matches: nothing submitted earns nothing. A gold that
+    normalises to "" (only punctuation and articles, e.g. "A+") is compared with `light_normalize`
+    instead, where SQuAD's code would match it with any all-punctuation prediction.
+
+    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"])
+    1.0
+    >>> exact_match("Eiffel", ["Eiffel Tower"])
+    0.0
+    >>> exact_match("", [""]), exact_match("a+", ["A+"]), exact_match("?", ["A+"])
+    (0.0, 1.0, 0.0)
+    """
+    golds = _golds(golds)
+    if prediction is None or not light_normalize(prediction):
+        return 0.0
+    p, p_light = normalize_answer(prediction), light_normalize(prediction)
+    for g in golds:
+        g_norm = normalize_answer(g)
+        if (g_norm and p == g_norm) or (not g_norm and p_light == light_normalize(g)):
+            return 1.0
+    return 0.0
+
+
+_SPECIAL = ("yes", "no", "noanswer")
+
+
+def f1_one(prediction: str, gold: str) -> float:
+    """Token F1 of one prediction against one gold, with the official HotpotQA special case:
+    if either normalised side is yes / no / noanswer and they differ, F1 is 0.
+
+    >>> f1_one("Barack Obama", "Obama")
+    0.6666666666666666
+    >>> f1_one("no", "no way")
+    0.0
+    """
+    p, g = normalize_answer(prediction), normalize_answer(gold)
+    if not g:  # a gold of only punctuation / articles ("A+"): all or nothing, as in exact_match
+        return exact_match(prediction, [gold])
+    if (p in _SPECIAL or g in _SPECIAL) and p != g:
+        return 0.0
+    pt, gt = p.split(), g.split()
+    same = sum((Counter(pt) & Counter(gt)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pt), same / len(gt)
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """Best token F1 over all gold aliases (0.0 for a None prediction).
+
+    >>> f1_score("the president Barack Obama", ["Obama", "Barack Obama"])
+    0.8
+    """
+    golds = _golds(golds)
+    if prediction is None:
+        return 0.0
+    return max(f1_one(prediction, g) for g in golds)
+
+
+def has_answer(prediction: str | None) -> bool:
+    """A final answer was submitted and is not blank.
+
+    >>> has_answer("  "), has_answer(None), has_answer("0")
+    (False, False, True)
+    """
+    return prediction is not None and prediction.strip() != ""
+
+
+def answer_reward(prediction: str | None, golds: str | Iterable[str], em_weight: float = 0.9,
+                  has_answer_weight: float = 0.1, correct: float | None = None) -> float:
+    """L0's final-answer reward: 0.9 * EM + 0.1 * has_answer.
+
+    `correct` (a 0..1 score, e.g. a judge verdict or F1) replaces EM when given.
+
+    >>> answer_reward("Paris", ["Paris"]), answer_reward("Lyon", ["Paris"]), answer_reward(None, ["Paris"])
+    (1.0, 0.1, 0.0)
+    """
+    score = exact_match(prediction, golds) if correct is None else float(correct)
+    return em_weight * score + has_answer_weight * float(has_answer(prediction))
+
+
+# ---------------------------------------------------------------------------------------------
+# per-step format and execution
+
+_THINK = re.compile(r"<think>(.*?)</think>", re.S)
+_CODE = re.compile(r"<code>(.*?)</code>", re.S)
+
+
+def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5) -> bool:
+    """One `<think>` block with more than `min_think_chars` characters (stripped) and one `<code>`
+    block with more than `min_code_chars`, the think block first.
+
+    The inference server stops at "</code>" and may leave that stop string out of the text, so an
+    action that ends inside an open `<code>` block counts as closed.
+
+    >>> format_ok("<think>look it up first</think><code>web_search('x')</code>")
+    True
+    >>> format_ok("<think>look it up first</think><code>web_search('x')")
+    True
+    >>> format_ok("<think>short</think><code>web_search('x')</code>")
+    False
+    >>> format_ok("<think>look it up first</think><code>1</code><code>web_search('x')</code>")
+    False
+    """
+    text = action
+    if text.count("<code>") == text.count("</code>") + 1 and text.rfind("<code>") > text.rfind("</code>"):
+        text = text + "</code>"
+    thinks, codes = _THINK.findall(text), _CODE.findall(text)
+    if len(thinks) != 1 or len(codes) != 1 or text.count("<think>") != 1 or text.count("<code>") != 1:
+        return False
+    if text.index("</think>") > text.index("<code>"):
+        return False
+    return len(thinks[0].strip()) > min_think_chars and len(codes[0].strip()) > min_code_chars
+
+
+def exec_score(exec_oks: Iterable[bool | None]) -> float:
+    """1 - errored / executed over the steps that ran code (None: no code ran). 0.0 if none ran,
+    so a policy that never runs code gets no execution credit.
+
+    >>> exec_score([True, False, None, True, True])
+    0.75
+    >>> exec_score([None, None])
+    0.0
+    """
+    ran = [ok for ok in exec_oks if ok is not None]
+    return sum(1 for ok in ran if ok) / len(ran) if ran else 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# the episode reward
+
+
+def score_episode(ep: Episode, cfg: RewardConfig, correct: float | None = None) -> None:
+    """Fill `ep.reward`, `ep.rewards` and every `step.reward` (in place).
+
+    Per step i of n steps, with fmt_i = 1[format_ok], ok_i = 1[exec_ok] and m steps that ran code:
+
+        step.reward_i = format_weight * fmt_i / n
+                      + exec_weight * ok_i / m        (only on steps that ran code)
+                      + answer_weight * answer        (only on the last step)
+
+    so sum(step.reward) == ep.reward == answer_weight * answer + format_weight * format
+    + exec_weight * exec. `step.format_ok` is recomputed from `step.action_text` with the
+    config's thresholds; `step.exec_ok` is taken as the agent recorded it.
+
+    Worked example (default weights 0.8 / 0.1 / 0.1, EM weight 0.9, has_answer weight 0.1),
+    4 steps, gold "Paris", submitted "paris":
+        step  format  exec_ok   step.reward
+        0     1       True      0.1*1/4 + 0.1*1/3             = 0.058333
+        1     0       False     0.1*0/4 + 0.1*0/3             = 0.0
+        2     1       None      0.1*1/4                       = 0.025
+        3     1       True      0.1*1/4 + 0.1*1/3 + 0.8*1.0   = 0.858333
+    format = 3/4, exec = 2/3, answer = 0.9*1 + 0.1*1 = 1.0
+    ep.reward = 0.8*1.0 + 0.1*0.75 + 0.1*0.666667 = 0.941667 (= the sum of the column).
+
+    `correct` (0..1, e.g. from the LLM judge) replaces EM in the answer term; `answer_metric="f1"`
+    in the config uses F1 instead of EM. An episode without steps gets only its answer term.
+    """
+    task = ep.task
+    pred = ep.final_answer
+    em = exact_match(pred, task.answers)
+    f1 = f1_score(pred, task.answers)
+    if correct is None and cfg.answer_metric == "f1":
+        correct = f1
+    elif correct is None and cfg.answer_metric != "em":
+        raise ValueError(f"reward.answer_metric must be 'em' or 'f1', got {cfg.answer_metric!r}")
+    answer = answer_reward(pred, task.answers, cfg.em_weight, cfg.has_answer_weight, correct)
+
+    n = len(ep.steps)
+    for s in ep.steps:
+        s.format_ok = format_ok(s.action_text, cfg.min_think_chars, cfg.min_code_chars)
+    m = sum(1 for s in ep.steps if s.exec_ok is not None)
+    for i, s in enumerate(ep.steps):
+        r = cfg.format_weight * float(s.format_ok) / n
+        if s.exec_ok is not None:
+            r += cfg.exec_weight * float(s.exec_ok) / m
+        if i == n - 1:
+            r += cfg.answer_weight * answer
+        s.reward = r
+    fmt = sum(float(s.format_ok) for s in ep.steps) / n if n else 0.0
+    exe = exec_score(s.exec_ok for s in ep.steps)
+    total = cfg.answer_weight * answer + cfg.format_weight * fmt + cfg.exec_weight * exe
+    ep.reward = total
+    ep.rewards = {"answer": answer, "format": fmt, "exec": exe, "em": em, "f1": f1,
+                  "has_answer": float(has_answer(pred)), "total": total}
+    if correct is not None:
+        ep.rewards["correct"] = float(correct)
+
+
+# ---------------------------------------------------------------------------------------------
+# LLM judge, SimpleQA style: A = correct, B = incorrect, C = not attempted
+
+CORRECT, INCORRECT, NOT_ATTEMPTED = "correct", "incorrect", "not_attempted"
+GRADES = (CORRECT, INCORRECT, NOT_ATTEMPTED)
+
+JUDGE_PROMPT = """You are grading an answer to a factual question. Compare the predicted answer with the gold \
+answer and choose one grade.
+
+A) CORRECT: the predicted answer contains the gold answer's meaning and says nothing that contradicts it. \
+Differences in capitalisation, punctuation, word order, spelling of names, or extra context that does not \
+contradict the gold answer are fine. A number must match the gold answer to the precision the question \
+asks for (e.g. "about 3,500" is fine for "3,518" only if the question does not ask for an exact figure). \
+Hedged answers are correct only if the hedge still commits to the gold answer.
+B) INCORRECT: the predicted answer contradicts the gold answer, names a different entity, date or number, \
+or lists several candidates of which some are wrong.
+C) NOT_ATTEMPTED: the predicted answer does not commit to any answer (e.g. "I don't know", "I could not \
+find it", an empty answer, or only a restatement of the question), and contradicts nothing.
+
+Judge only whether the predicted answer matches the gold answer; do not use your own knowledge to \
+second-guess the gold answer.
+
+Question: {question}
+Gold answer: {gold}
+Predicted answer: {predicted}
+
+Reply with one letter, A, B or C, and nothing else."""
+
+
+def judge_prompt(question: str, gold: str | Iterable[str], predicted: str | None) -> str:
+    """The grader prompt; several gold aliases are joined with " | "."""
+    gold_text = gold if isinstance(gold, str) else " | ".join(_golds(gold))
+    return JUDGE_PROMPT.format(question=question.strip(), gold=gold_text.strip(),
+                               predicted=(predicted or "").strip() or "(no answer)")
+
+
+_LETTER = {"A": CORRECT, "B": INCORRECT, "C": NOT_ATTEMPTED}
+_WORD = {"CORRECT": CORRECT, "INCORRECT": INCORRECT, "NOT_ATTEMPTED": NOT_ATTEMPTED, "NOT ATTEMPTED": NOT_ATTEMPTED}
+
+
+class JudgeParseError(ValueError):
+    """The judge's reply names no grade; the message quotes the reply."""
+
+
+def parse_grade(reply: str) -> str:
+    """The grade in a judge reply: 'correct' | 'incorrect' | 'not_attempted'.
+
+    Accepts a bare letter, a letter with markup or a label ("**B**", "(A)", "Grade: C",
+    "A) CORRECT"), the label words (upper case), and ignores a leading <think>...</think>.
+    Raises JudgeParseError when no grade can be found.
+
+    >>> parse_grade("A"), parse_grade("**B**"), parse_grade("<think>It says A?</think>\\nGrade: C")
+    ('correct', 'incorrect', 'not_attempted')
+    >>> parse_grade("The prediction is INCORRECT.")
+    'incorrect'
+    """
+    text = re.sub(r"<think>.*?(</think>|$)", " ", reply, flags=re.S).strip()
+    bare = re.sub(r"[\s*_`'\"().:\[\]]+", "", text)
+    if bare in _LETTER:
+        return _LETTER[bare]
+    # "Grade: B", "answer is (A)", "verdict - **C**"
+    m = re.findall(r"(?i:grade|answer|verdict|choice)\W{0,4}(?i:is)?\W{0,4}\b([ABC])\b(?![\w'])", text)
+    if m:
+        return _LETTER[m[-1]]
+    # "A) CORRECT", "B. INCORRECT", or a letter alone on a line
+    m = re.findall(r"(?m)^\W*([ABC])\s*(?:[).:\]*`-]|$)", text)
+    if m:
+        return _LETTER[m[-1]]
+    m = re.findall(r"\b(NOT[_ ]ATTEMPTED|INCORRECT|CORRECT)\b", text)
+    if m:
+        return _WORD[m[-1]]
+    raise JudgeParseError(f"no grade (A/B/C) in judge reply: {reply[:300]!r}")
+
+
+async def judge_answer(question: str, gold: str | Iterable[str], predicted: str | None,
+                       generate_text: Callable[[str], Awaitable[str]], retries: int = 1) -> str:
+    """Grade one answer with an LLM: 'correct' | 'incorrect' | 'not_attempted'.
+
+    `generate_text(prompt) -> reply` is any async text generator (e.g. the inference client).
+    A blank prediction is graded 'not_attempted' without a call. An unparseable reply is asked
+    again up to `retries` times, then raises JudgeParseError.
+    """
+    if not has_answer(predicted):
+        return NOT_ATTEMPTED
+    prompt = judge_prompt(question, gold, predicted)
+    for attempt in range(retries + 1):
+        reply = await generate_text(prompt)
+        try:
+            return parse_grade(reply)
+        except JudgeParseError:
+            if attempt == retries:
+                raise
+
+
+@dataclass
+class SimpleQAMetrics:
+    n: int
+    correct: float  # fraction of all questions
+    incorrect: float
+    not_attempted: float
+    accuracy_given_attempted: float  # correct / (correct + incorrect)
+    f_score: float  # harmonic mean of `correct` (accuracy) and accuracy_given_attempted
+
+
+def simpleqa_metrics(grades: Iterable[str]) -> SimpleQAMetrics:
+    """SimpleQA aggregates (as in simple-evals).
+
+    >>> m = simpleqa_metrics(["correct", "correct", "incorrect", "not_attempted"])
+    >>> m.correct, m.accuracy_given_attempted, round(m.f_score, 4)
+    (0.5, 0.6666666666666666, 0.5714)
+    """
+    grades = list(grades)
+    for i, g in enumerate(grades):
+        if g not in GRADES:
+            raise ValueError(f"grade {i} is {g!r}, expected one of {GRADES}")
+    n = len(grades)
+    if n == 0:
+        raise ValueError("simpleqa_metrics: no grades")
+    c, w, na = (grades.count(g) / n for g in GRADES)
+    aga = c / (c + w) if c + w > 0 else 0.0
+    f = 2 * aga * c / (aga + c) if aga + c > 0 else 0.0
+    return SimpleQAMetrics(n, c, w, na, aga, f)

@@ -1,0 +1,488 @@
+"""Host-side search and page backends behind the agent's `web_search` / `read_page` tools.
+
+Every backend has the same two coroutines:
+
+    async search(query: str, k: int) -> list[{"id", "title", "text", "score"}]   # best first
+    async read_page(ref: str) -> str                                          # id, title or URL
+
+| backend            | what                                                                      |
+| ------------------ | ------------------------------------------------------------------------- |
+| `BM25Backend`      | local BM25 (bm25s) over [{id, title, text}]: the offline default          |
+| `RetrieverClient`  | a Search-R1-compatible retriever: POST /retrieve {queries, topk, return_scores} |
+| `SerperBackend`    | Google results via serper.dev (SERPER_API_KEY); pages via the Jina reader |
+| `SerpApiBackend`   | Google results via serpapi.com (SERPAPI_API_KEY); pages via the Jina reader |
+
+A page that does not exist is a normal answer ("No page found ..."), shown to the agent; a backend
+that fails (HTTP error, unreachable server, malformed reply) raises `SearchError`, which is an
+environment failure, not the policy's fault. Backends return full texts; cutting snippets and pages
+to `tools.snippet_chars` / `tools.page_chars` is the tool server's job.
+
+`python -m l0_min.search --corpus docs.jsonl --port 8000` serves a local corpus with the retriever
+API, so several trainers (or Search-R1 code) can share one index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import unicodedata
+
+import aiohttp
+from aiohttp import web
+
+from l0_min.config import ToolsConfig
+
+
+class SearchError(RuntimeError):
+    """A search or page backend failed (not "no results"); the message names the backend."""
+
+
+# ---------------------------------------------------------------------------------------------
+# local BM25
+
+STOPWORDS = frozenset(
+    "a an and are as at be been but by did do does for from had has have he her his how i if in into is it its "
+    "of on or she so than that the their them then there these they this those to was were what when where "
+    "which who whom whose why will with you your".split()
+)
+
+
+def tokenize(text: str) -> list[str]:
+    """Lowercased word tokens without English stopwords (Unicode letters and digits kept).
+
+    >>> tokenize("In what year was Zoë Marel born?")
+    ['year', 'zoë', 'marel', 'born']
+    """
+    return [t for t in re.findall(r"\w+", unicodedata.normalize("NFKC", text).casefold()) if t not in STOPWORDS]
+
+
+def _check_docs(docs: list[dict]) -> None:
+    seen: dict[str, int] = {}
+    for i, d in enumerate(docs):
+        if not isinstance(d, dict) or not all(isinstance(d.get(k), str) for k in ("id", "title", "text")):
+            raise ValueError(f"document {i}: expected {{id, title, text}} strings, got {str(d)[:120]}")
+        if d["id"] in seen:
+            raise ValueError(f"document {i}: duplicate id {d['id']!r} (first at {seen[d['id']]})")
+        seen[d["id"]] = i
+
+
+def _not_found(ref: str) -> str:
+    return f"No page found for {ref!r}. Use a document id or an exact title from web_search results."
+
+
+def format_page(doc: dict) -> str:
+    return f"{doc['title']}\n\n{doc['text']}"
+
+
+class BM25Backend:
+    """BM25 over title + text of a list of documents {id, title, text}.
+
+    Indexing 100k passages takes seconds and a query milliseconds, so search runs inline on the
+    event loop.
+    """
+
+    def __init__(self, docs: list[dict], k1: float = 1.5, b: float = 0.75):
+        import bm25s
+
+        docs = list(docs)
+        if not docs:
+            raise ValueError("BM25Backend: no documents to index")
+        _check_docs(docs)
+        self.docs = docs
+        self._by_id = {d["id"]: d for d in docs}
+        self._by_title: dict[str, dict] = {}
+        self._by_title_folded: dict[str, dict] = {}
+        for d in docs:
+            self._by_title.setdefault(d["title"], d)
+            self._by_title_folded.setdefault(d["title"].casefold().strip(), d)
+        self._bm25 = bm25s.BM25(k1=k1, b=b)
+        self._bm25.index([tokenize(d["title"] + " " + d["text"]) for d in docs], show_progress=False)
+
+    def search_sync(self, query: str, k: int) -> list[dict]:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        tokens = tokenize(query)
+        if not tokens:
+            return []
+        idx, scores = self._bm25.retrieve([tokens], k=min(k, len(self.docs)), show_progress=False)
+        out = []
+        for i, s in zip(idx[0].tolist(), scores[0].tolist()):
+            if s > 0:  # 0: no query word in the document
+                d = self.docs[i]
+                out.append({"id": d["id"], "title": d["title"], "text": d["text"], "score": float(s)})
+        return out
+
+    async def search(self, query: str, k: int) -> list[dict]:
+        return self.search_sync(query, k)
+
+    async def read_page(self, ref: str) -> str:
+        ref = ref.strip()
+        d = self._by_id.get(ref) or self._by_title.get(ref) or self._by_title_folded.get(ref.casefold())
+        return format_page(d) if d else _not_found(ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP backends
+
+
+class _Http:
+    """One aiohttp session per event loop, created on first use."""
+
+    name = "http"
+
+    def __init__(self, timeout: float):
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+        self._loop = None
+
+    async def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        if self._session is None or self._session.closed or self._loop is not loop:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+            self._loop = loop
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None and not self._session.closed:
+            await self._session.close()
+
+    async def _request(self, method: str, url: str, **kw) -> str:
+        """Body of a 2xx reply; SearchError otherwise. Never puts query params (keys) in messages."""
+        try:
+            session = await self._get_session()
+            async with session.request(method, url, **kw) as r:
+                body = await r.text()
+                status = r.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            raise SearchError(f"{self.name}: {method} {url} failed: {type(e).__name__}: {e}") from None
+        if status >= 400:
+            raise SearchError(f"{self.name}: {method} {url} -> HTTP {status}: {body[:300]}")
+        return body
+
+    async def _json(self, method: str, url: str, **kw):
+        import json
+
+        body = await self._request(method, url, **kw)
+        try:
+            return json.loads(body)
+        except json.JSONDecodeError:
+            raise SearchError(f"{self.name}: {url} replied with non-JSON: {body[:200]!r}") from None
+
+
+def split_contents(contents: str) -> tuple[str, str]:
+    """Search-R1 / wiki-18 `contents` -> (title, text).
+
+    >>> split_contents('"Evan Morris"\\nEvan L. Morris was a lobbyist.')
+    ('Evan Morris', 'Evan L. Morris was a lobbyist.')
+    """
+    first, _, rest = contents.partition("\n")
+    return first.strip().strip('"'), rest.strip()
+
+
+def join_contents(title: str, text: str) -> str:
+    return f'"{title}"\n{text}'
+
+
+class RetrieverClient(_Http):
+    """Client of a Search-R1-compatible retriever (`url` is the server root or its /retrieve).
+
+    The API has no page endpoint, so read_page(ref) returns a document seen in an earlier search
+    (by id or title), else the top hit of searching for `ref` if its title is `ref`.
+    """
+
+    name = "retriever"
+
+    def __init__(self, url: str, timeout: float = 20.0):
+        super().__init__(timeout)
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
+        url = url.rstrip("/")
+        self.url = url if url.endswith("/retrieve") else url + "/retrieve"
+        self._seen: dict[str, dict] = {}
+
+    async def search(self, query: str, k: int) -> list[dict]:
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        data = await self._json("POST", self.url, json={"queries": [query], "topk": k, "return_scores": True})
+        try:
+            hits = data["result"][0]
+        except (KeyError, IndexError, TypeError):
+            raise SearchError(f"retriever {self.url}: reply has no result[0]: {str(data)[:200]}") from None
+        out = []
+        for rank, h in enumerate(hits):
+            doc, score = (h["document"], h.get("score")) if isinstance(h, dict) and "document" in h else (h, None)
+            if not isinstance(doc, dict):
+                raise SearchError(f"retriever {self.url}: hit {rank} is not a document: {str(h)[:200]}")
+            if isinstance(doc.get("contents"), str):
+                title, text = split_contents(doc["contents"])
+            else:
+                title, text = str(doc.get("title", "")), str(doc.get("text", ""))
+            d = {"id": str(doc.get("id", f"{title}#{rank}")), "title": title, "text": text,
+                 "score": float(score) if score is not None else 1.0 / (rank + 1)}
+            self._seen[d["id"]] = d
+            self._seen.setdefault(title, d)
+            out.append(d)
+        return out
+
+    async def read_page(self, ref: str) -> str:
+        ref = ref.strip()
+        if ref in self._seen:
+            return format_page(self._seen[ref])
+        for d in await self.search(ref, 1):
+            if d["title"].casefold() == ref.casefold():
+                return format_page(d)
+        return _not_found(ref)
+
+
+class JinaReader(_Http):
+    """Reads a web page as text through a Jina-style reader: GET <base_url>/<page url>."""
+
+    name = "jina reader"
+
+    def __init__(self, api_key: str | None = None, base_url: str = "https://r.jina.ai", timeout: float = 20.0):
+        super().__init__(timeout)
+        self.api_key = api_key
+        self.base_url = base_url.rstrip("/")
+
+    async def read_page(self, ref: str) -> str:
+        ref = ref.strip()
+        if not ref.startswith(("http://", "https://")):
+            return f"read_page needs a web address (http://... or https://...) from web_search results, got {ref!r}."
+        headers = {"Accept": "text/plain"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return await self._request("GET", f"{self.base_url}/{ref}", headers=headers)
+
+
+def _rank_scores(results: list[dict]) -> list[dict]:
+    for i, r in enumerate(results):
+        r["score"] = 1.0 / (i + 1)
+    return results
+
+
+def _answer_box(box) -> dict | None:
+    if not isinstance(box, dict):
+        return None
+    text = box.get("answer") or box.get("snippet") or ""
+    if not text:
+        return None
+    return {"id": box.get("link") or "answer-box", "title": box.get("title") or "Answer", "text": str(text)}
+
+
+class SerperBackend(_Http):
+    """Google results from serper.dev: POST <base_url>/search {q, num}, header X-API-KEY."""
+
+    name = "serper"
+
+    def __init__(self, api_key: str, base_url: str = "https://google.serper.dev", reader: JinaReader | None = None,
+                 timeout: float = 20.0):
+        super().__init__(timeout)
+        if not api_key:
+            raise ValueError("SerperBackend: empty api_key")
+        self.api_key, self.base_url = api_key, base_url.rstrip("/")
+        self.reader = reader or JinaReader(timeout=timeout)
+
+    async def search(self, query: str, k: int) -> list[dict]:
+        data = await self._json("POST", f"{self.base_url}/search", json={"q": query, "num": k},
+                                headers={"X-API-KEY": self.api_key, "Content-Type": "application/json"})
+        return parse_serper(data, k)
+
+    async def read_page(self, ref: str) -> str:
+        return await self.reader.read_page(ref)
+
+    async def close(self) -> None:
+        await super().close()
+        await self.reader.close()
+
+
+def parse_serper(data: dict, k: int) -> list[dict]:
+    """serper.dev JSON -> results: the answer box (if any), then organic results, at most k.
+
+    >>> parse_serper({"organic": [{"title": "T", "link": "https://x", "snippet": "S"}]}, 3)
+    [{'id': 'https://x', 'title': 'T', 'text': 'S', 'score': 1.0}]
+    """
+    if not isinstance(data, dict):
+        raise SearchError(f"serper: expected a JSON object, got {str(data)[:200]}")
+    out = [b] if (b := _answer_box(data.get("answerBox"))) else []
+    for r in data.get("organic") or []:
+        out.append({"id": r.get("link", ""), "title": r.get("title", ""), "text": r.get("snippet", "")})
+    return _rank_scores(out[:k])
+
+
+class SerpApiBackend(_Http):
+    """Google results from serpapi.com: GET <base_url>/search.json?engine=google&q=..&num=..&api_key=.."""
+
+    name = "serpapi"
+
+    def __init__(self, api_key: str, base_url: str = "https://serpapi.com", reader: JinaReader | None = None,
+                 timeout: float = 20.0):
+        super().__init__(timeout)
+        if not api_key:
+            raise ValueError("SerpApiBackend: empty api_key")
+        self.api_key, self.base_url = api_key, base_url.rstrip("/")
+        self.reader = reader or JinaReader(timeout=timeout)
+
+    async def search(self, query: str, k: int) -> list[dict]:
+        params = {"engine": "google", "q": query, "num": str(k), "api_key": self.api_key}
+        return parse_serpapi(await self._json("GET", f"{self.base_url}/search.json", params=params), k)
+
+    async def read_page(self, ref: str) -> str:
+        return await self.reader.read_page(ref)
+
+    async def close(self) -> None:
+        await super().close()
+        await self.reader.close()
+
+
+def parse_serpapi(data: dict, k: int) -> list[dict]:
+    """serpapi JSON -> results (answer box first); its {"error": ...} raises SearchError.
+
+    >>> parse_serpapi({"organic_results": [{"title": "T", "link": "https://x", "snippet": "S"}]}, 3)
+    [{'id': 'https://x', 'title': 'T', 'text': 'S', 'score': 1.0}]
+    """
+    if not isinstance(data, dict):
+        raise SearchError(f"serpapi: expected a JSON object, got {str(data)[:200]}")
+    if data.get("error"):
+        if "hasn't returned any results" in str(data["error"]):
+            return []
+        raise SearchError(f"serpapi: {data['error']}")
+    out = [b] if (b := _answer_box(data.get("answer_box"))) else []
+    for r in data.get("organic_results") or []:
+        out.append({"id": r.get("link", ""), "title": r.get("title", ""), "text": r.get("snippet", "")})
+    return _rank_scores(out[:k])
+
+
+# ---------------------------------------------------------------------------------------------
+# the retriever server (Search-R1 API) over any backend
+
+
+class RetrieverServer:
+    def __init__(self, runner: web.AppRunner, host: str, port: int):
+        self.runner, self.host, self.port = runner, host, port
+        self.url = f"http://{host}:{port}"
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+def retriever_app(backend) -> web.Application:
+    """POST /retrieve {queries: [str], topk: int = 3, return_scores: bool = false}
+    -> {result: [[{document: {id, contents}, score} ...] per query]} (plain documents without
+    return_scores); GET /health."""
+
+    async def retrieve(request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except Exception:
+            return web.json_response({"error": "body must be JSON"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "body must be a JSON object"}, status=400)
+        queries, topk = body.get("queries"), body.get("topk", 3)
+        if not isinstance(queries, list) or not all(isinstance(q, str) for q in queries):
+            return web.json_response({"error": "'queries' must be a list of strings"}, status=400)
+        if not isinstance(topk, int) or isinstance(topk, bool) or topk < 1:
+            return web.json_response({"error": "'topk' must be a positive integer"}, status=400)
+        with_scores = bool(body.get("return_scores", False))
+        result = []
+        for q in queries:
+            hits = await backend.search(q, topk)
+            docs = [{"id": h["id"], "contents": join_contents(h["title"], h["text"])} for h in hits]
+            result.append([{"document": d, "score": h["score"]} for d, h in zip(docs, hits)] if with_scores else docs)
+        return web.json_response({"result": result})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "docs": len(getattr(backend, "docs", []))})
+
+    app = web.Application()
+    app.router.add_post("/retrieve", retrieve)
+    app.router.add_get("/health", health)
+    return app
+
+
+async def serve_retriever(backend, host: str = "127.0.0.1", port: int = 8000) -> RetrieverServer:
+    """Start the retriever API over `backend` in the running loop (port 0: a free port)."""
+    runner = web.AppRunner(retriever_app(backend), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    port = runner.addresses[0][1]
+    return RetrieverServer(runner, host, port)
+
+
+# ---------------------------------------------------------------------------------------------
+# choosing a backend from the config
+
+
+def make_backend(cfg: ToolsConfig, docs: list[dict] | None = None, env: dict | None = None):
+    """The backend named by `cfg.search` (None for "none").
+
+    bm25 indexes `cfg.corpus` if set, else `docs` (e.g. `data.corpus_from_tasks(tasks)`).
+    serper / serpapi need their API key in the environment variable the config names.
+    """
+    env = os.environ if env is None else env
+    kind = cfg.search
+    if kind == "none":
+        return None
+    if kind == "bm25":
+        if cfg.corpus:
+            from l0_min.data import load_corpus
+
+            docs = load_corpus(cfg.corpus)
+        if not docs:
+            raise ValueError("tools.search=bm25 needs documents: set tools.corpus to a corpus file, or use a task "
+                             "source that carries its paragraphs (synthetic, hotpotqa, musique)")
+        return BM25Backend(docs)
+    if kind == "retriever":
+        if not cfg.retriever_url:
+            raise ValueError("tools.search=retriever needs tools.retriever_url (e.g. http://127.0.0.1:8000)")
+        return RetrieverClient(cfg.retriever_url, timeout=cfg.timeout)
+    if kind in ("serper", "serpapi"):
+        var = cfg.serper_api_key_env if kind == "serper" else cfg.serpapi_api_key_env
+        key = env.get(var, "")
+        if not key:
+            raise ValueError(f"tools.search={kind} needs an API key in the environment variable {var}, which is unset")
+        reader = JinaReader(api_key=env.get(cfg.jina_api_key_env) or None, timeout=cfg.timeout)
+        cls = SerperBackend if kind == "serper" else SerpApiBackend
+        return cls(key, reader=reader, timeout=cfg.timeout)
+    raise ValueError(f"tools.search={kind!r}: expected one of bm25, retriever, serper, serpapi, none")
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m l0_min.search --corpus docs.jsonl --port 8000
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description="Serve a local corpus with the Search-R1 retriever API (BM25).")
+    ap.add_argument("--corpus", required=True, help="corpus file ({id,title,text}, KILT or wiki-18 JSONL), or "
+                    "'synthetic' for the synthetic world's pages")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--seed", type=int, default=0, help="synthetic world seed")
+    ap.add_argument("--entities", type=int, default=60, help="synthetic world size")
+    ap.add_argument("--passage-words", type=int, default=100, help="KILT passage length in words")
+    args = ap.parse_args(argv)
+    if args.corpus == "synthetic":
+        from l0_min.world import make_world
+
+        docs = make_world(args.seed, args.entities, n_tasks=0).corpus
+    else:
+        from l0_min.data import load_corpus
+
+        docs = load_corpus(args.corpus, passage_words=args.passage_words)
+    backend = BM25Backend(docs)
+
+    async def run():
+        server = await serve_retriever(backend, args.host, args.port)
+        print(f"retriever: {len(docs)} documents at {server.url}/retrieve", flush=True)
+        await asyncio.Event().wait()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,337 @@
+"""A static, single-file HTML viewer of agent trajectories.
+
+    python -m l0_min.viewer runs/my_run            # writes runs/my_run/viewer.html
+    python -m l0_min.viewer a.jsonl b.jsonl --out view.html
+
+Episodes come from trajectories/*.jsonl (one Episode.to_json() per line), grouped by file (one RL
+step each). Every piece of trajectory text is HTML-escaped on the Python side and the page's own
+script only toggles `hidden` and `open`: nothing an agent printed is ever parsed as markup or run.
+The page loads no network resources. Filters live in the URL hash, so a view can be linked:
+
+    viewer.html#status=answered,timeout&step=step_00003&open=all
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import re
+from html import escape
+from pathlib import Path
+
+from l0_min.episode import STATUSES
+
+
+def _e(x) -> str:
+    return escape("" if x is None else str(x), quote=True)
+
+
+def _num(x, fmt: str = ".3g") -> str:
+    return format(x, fmt) if isinstance(x, (int, float)) and not isinstance(x, bool) else "-"
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def _jsonl_files(src) -> list[Path]:
+    srcs = [src] if isinstance(src, (str, Path)) else list(src)
+    files: list[Path] = []
+    for s in map(Path, srcs):
+        if s.is_dir():
+            folder = s / "trajectories" if (s / "trajectories").is_dir() else s
+            files += sorted(folder.glob("*.jsonl"), key=_natural_key)
+        elif s.is_file():
+            files.append(s)
+        else:
+            raise FileNotFoundError(f"viewer: no such run folder or trajectories file: {s}")
+    return files
+
+
+def _natural_key(p: Path):
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", p.stem)]
+
+
+def _read_records(path: Path) -> list[dict]:
+    """Episode dicts, read leniently: the viewer should open old and new run folders alike."""
+    out = []
+    for i, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not JSON: {e}") from None
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# rendering
+
+
+def _rewards_html(ep: dict) -> str:
+    chips = [f'<span class="chip total">reward {_num(ep.get("reward"))}</span>']
+    for k, v in (ep.get("rewards") or {}).items():
+        value = _num(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _e(v)
+        chips.append(f'<span class="chip">{_e(k)} {value}</span>')
+    return "".join(chips)
+
+
+def _pre(label: str, text: str, cls: str) -> str:
+    if not text:
+        return ""
+    return f'<div class="blk {cls}"><div class="lbl">{label}</div><pre>{_e(text)}</pre></div>'
+
+
+def _strip_output_tags(obs: str) -> str:
+    """'<output>\nhi\n</output>' -> 'hi': the observation without its wrapper, for display only."""
+    m = re.fullmatch(r"\s*<output>\n?(.*?)\n?</output>\s*", obs or "", flags=re.DOTALL)
+    return m.group(1) if m else (obs or "")
+
+
+def _step_html(i: int, s: dict) -> str:
+    fmt = {True: "ok", False: "bad"}.get(s.get("format_ok"), "")
+    exe = {True: "ok", False: "bad", None: "na"}.get(s.get("exec_ok"), "na")
+    head = (f'<span class="sn">step {i + 1}</span>'
+            f'<span class="flag {fmt}">format {"✓" if fmt == "ok" else "✗"}</span>'
+            f'<span class="flag {exe}">exec {dict(ok="✓", bad="✗", na="–")[exe]}</span>'
+            f'<span>reward {_num(s.get("reward"))}</span>'
+            f'<span>{len(s.get("action_ids") or [])} tokens</span>'
+            f'<span>{_num(s.get("seconds"), ".1f")} s</span>'
+            + (f'<span>finish {_e(s.get("finish_reason"))}</span>' if s.get("finish_reason") else "")
+            + (f'<span>segment {_e(s.get("segment"))}</span>' if s.get("segment") else "")
+            + (f'<span>weights {_e(s.get("weight_version"))}</span>' if s.get("weight_version") else ""))
+    body = _pre("think", s.get("think", ""), "think") + _pre("code", s.get("code", ""), "code")
+    if not s.get("think") and not s.get("code") or s.get("format_ok") is False:
+        raw = s.get("action_text", "")
+        if raw:
+            body += f'<details class="raw"><summary>raw action text</summary><pre>{_e(raw)}</pre></details>'
+    out = _strip_output_tags(s.get("observation", ""))
+    body += _pre("output", out, "out") if out else '<div class="blk out"><div class="lbl">output</div><span class="dim">(none)</span></div>'
+
+    return f'<div class="step"><div class="shead">{head}</div>{body}</div>'
+
+
+def _episode_html(ep: dict, group: str) -> str:
+    task = ep.get("task") or {}
+    status = str(ep.get("status", ""))
+    em = (ep.get("rewards") or {}).get("em")
+    em_mark = ('<span class="em"></span>' if em is None else
+               '<span class="em ok">EM ✓</span>' if em else '<span class="em bad">EM ✗</span>')
+    steps = ep.get("steps") or []
+    final = ep.get("final_answer")
+    summary = (f'<span class="badge s-{_e(status)}">{_e(status)}</span>'
+               f'<span class="rw">{_num(ep.get("reward"), ".2f")}</span>{em_mark}'
+               f'<span class="tid">{_e(task.get("id"))} · g{_e(ep.get("group"))} s{_e(ep.get("sample"))}</span>'
+               f'<span class="q">{_e(task.get("question"))}</span>'
+               f'<span class="fa">→ {_e(final) if final is not None else "<i>no answer</i>"}</span>'
+               f'<span class="ns">{len(steps)} step{"" if len(steps) == 1 else "s"}</span>'
+               + ('<span class="badge masked">masked</span>' if ep.get("masked") else ""))
+    tools = ", ".join(f"{_e(k)}×{_e(v)}" for k, v in (ep.get("tool_calls") or {}).items()) or "none"
+    facts = [("question", f'<span class="qfull">{_e(task.get("question"))}</span>'),
+             ("gold", " | ".join(f"<b>{_e(a)}</b>" for a in task.get("answers") or []) or "-"),
+             ("final answer", f"<b>{_e(final)}</b>" if final is not None else "<i>none</i>"),
+             ("rewards", _rewards_html(ep)),
+             ("run", f'{_num(ep.get("seconds"), ".1f")} s · {sum(len(s.get("action_ids") or []) for s in steps)} '
+                     f'action tokens · {_e(ep.get("truncations", 0))} truncations · tools: {tools}'
+                     + (f' · weights {_e(ep.get("weight_version"))}' if ep.get("weight_version") else ""))]
+    if ep.get("error"):
+        facts.append(("error", f'<pre class="err">{_e(ep["error"])}</pre>'))
+    if task.get("meta"):
+        facts.append(("meta", f"<code>{_e(json.dumps(task['meta'], ensure_ascii=False))}</code>"))
+    rows = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in facts)
+    steps_html = "".join(_step_html(i, s) for i, s in enumerate(steps)) or '<p class="dim">no steps</p>'
+    return (f'<details class="ep" data-status="{_e(status)}" data-step="{_e(group)}">'
+            f"<summary>{summary}</summary><table class=facts>{rows}</table>{steps_html}</details>")
+
+
+def _group_html(name: str, eps: list[dict], total: int) -> str:
+    train = [e for e in eps if not e.get("masked")]
+    rewards = [e.get("reward") for e in train if isinstance(e.get("reward"), (int, float))]
+    ems = [(e.get("rewards") or {}).get("em") for e in train]
+    ems = [x for x in ems if isinstance(x, (int, float))]
+    answered = sum(e.get("status") == "answered" for e in eps)
+    head = (f"<h2>{_e(name)}</h2><span>{total} episodes"
+            + (f" (first {len(eps)} shown)" if len(eps) < total else "")
+            + f" · reward {_num(sum(rewards) / len(rewards) if rewards else None, '.3f')}"
+            + f" · EM {_num(sum(ems) / len(ems) if ems else None, '.3f')}"
+            + f" · answered {answered}/{len(eps)}</span>")
+    body = "".join(_episode_html(ep, name) for ep in eps)
+    return f'<section class="group" data-step="{_e(name)}"><div class="ghead">{head}</div>{body}</section>'
+
+
+def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = None, title: str | None = None) -> Path:
+    """Write a self-contained HTML viewer of the episodes in `src` to `out_html`.
+
+    src: a run folder (its trajectories/*.jsonl), a folder of .jsonl files, one .jsonl file, or a
+    list of them. max_episodes_per_step keeps the first N episodes of each file (whole groups come
+    first, as collected), to keep the page small for large batches (train.py passes
+    cfg.log.viewer_max_per_step); None or 0 keeps all.
+    """
+    files = _jsonl_files(src)
+    groups = []
+    for f in files:
+        eps = _read_records(f)
+        keep = eps[:max_episodes_per_step] if max_episodes_per_step else eps  # None or 0: all
+        groups.append((f.stem, keep, len(eps)))
+    shown = [ep for _, eps, _ in groups for ep in eps]
+    seen = {str(ep.get("status", "")) for ep in shown}
+    statuses = [s for s in STATUSES if s in seen] + sorted(seen - set(STATUSES))
+    counts = {s: sum(str(ep.get("status", "")) == s for ep in shown) for s in statuses}
+
+    boxes = "".join(f'<label class="badge s-{_e(s)}"><input type="checkbox" name="status" value="{_e(s)}" checked> '
+                    f"{_e(s)} ({counts[s]})</label>" for s in statuses)
+    options = '<option value="">all steps</option>' + "".join(
+        f'<option value="{_e(name)}">{_e(name)} ({total})</option>' for name, _, total in groups)
+    src_name = title or (Path(src).name if isinstance(src, (str, Path)) else f"{len(files)} files")
+    plot = ""
+    if isinstance(src, (str, Path)) and (Path(src) / "plots" / "rewards.png").is_file():
+        data = base64.b64encode((Path(src) / "plots" / "rewards.png").read_bytes()).decode()
+        plot = f'<details class="plot"><summary>reward curves</summary><img alt="rewards" src="data:image/png;base64,{data}"></details>'
+    body = "".join(_group_html(*g) for g in groups) or '<p class="dim">no trajectories found</p>'
+    page = _PAGE.format(title=_e(src_name), n_eps=len(shown), n_steps=len(groups), boxes=boxes, options=options,
+                        plot=plot, body=body, css=_CSS, js=_JS, script_hash=_SCRIPT_HASH)
+    out_html = Path(out_html)
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    out_html.write_text(page, encoding="utf-8", errors="replace")  # lone surrogates from bad UTF-8 -> '?'
+    return out_html
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src '{script_hash}'">
+<title>{title} · trajectories</title><style>{css}</style></head>
+<body>
+<header><h1>{title} <small>{n_eps} episodes · {n_steps} steps</small></h1>
+<div class="bar"><span class="lbl2">status</span>{boxes}
+<span class="lbl2">step</span><select id="step">{options}</select>
+<button id="open">expand all</button><button id="close">collapse all</button>
+<span id="shown" class="dim"></span></div></header>
+<main>{plot}{body}</main>
+<script>{js}</script>
+</body></html>
+"""
+
+_CSS = """
+:root { --bg:#f6f7f9; --card:#fff; --line:#dde1e6; --dim:#6b7280; --ok:#15803d; --bad:#b91c1c; }
+* { box-sizing: border-box; }
+[hidden] { display: none !important; }
+body { margin:0; background:var(--bg); color:#111827; font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif; }
+header { position:sticky; top:0; z-index:2; background:#fff; border-bottom:1px solid var(--line); padding:8px 16px; }
+h1 { font-size:17px; margin:0 0 6px; } h1 small { color:var(--dim); font-weight:normal; font-size:13px; }
+.bar { display:flex; flex-wrap:wrap; gap:6px; align-items:center; }
+.bar label { cursor:pointer; } .bar input { margin:0 2px 0 0; vertical-align:-2px; }
+.lbl2 { color:var(--dim); font-size:12px; text-transform:uppercase; letter-spacing:.04em; margin-left:6px; }
+button, select { font:inherit; font-size:13px; padding:2px 8px; border:1px solid var(--line); border-radius:4px; background:#fff; }
+main { padding:10px 16px 40px; max-width:1400px; }
+.ghead { display:flex; gap:12px; align-items:baseline; margin:14px 0 6px; }
+.ghead h2 { font-size:15px; margin:0; font-family:ui-monospace,monospace; } .ghead span { color:var(--dim); }
+.ep { background:var(--card); border:1px solid var(--line); border-radius:6px; margin:4px 0; }
+.ep[open] { border-color:#9ca3af; box-shadow:0 1px 4px rgba(0,0,0,.06); }
+.ep > summary { display:flex; gap:10px; align-items:center; padding:5px 10px; cursor:pointer; white-space:nowrap; }
+.ep > summary::-webkit-details-marker { display:none; }
+.ep > summary::before { content:"▸"; color:var(--dim); } .ep[open] > summary::before { content:"▾"; }
+.badge { display:inline-block; padding:1px 7px; border-radius:10px; font-size:12px; background:#e5e7eb; }
+.s-answered { background:#dcfce7; color:#14532d; } .s-max_steps, .s-max_tokens { background:#fef3c7; color:#78350f; }
+.s-timeout { background:#ffedd5; color:#7c2d12; } .s-env_error, .s-inference_error { background:#fee2e2; color:#7f1d1d; }
+.masked { background:#e0e7ff; color:#312e81; }
+.ep > summary > .badge:first-child { min-width:8.6em; text-align:center; }
+.rw { font-family:ui-monospace,monospace; font-weight:600; min-width:3.2em; text-align:right; }
+.em { font-size:12px; font-weight:600; min-width:3em; } .ok { color:var(--ok); } .bad { color:var(--bad); } .na { color:var(--dim); }
+.tid { color:var(--dim); font-family:ui-monospace,monospace; font-size:12px; }
+.q { overflow:hidden; text-overflow:ellipsis; flex:1; min-width:8em; }
+.fa { max-width:22em; overflow:hidden; text-overflow:ellipsis; } .ns { color:var(--dim); font-size:12px; }
+table.facts { border-collapse:collapse; margin:4px 12px 8px; }
+.facts th { text-align:left; color:var(--dim); font-weight:normal; padding:2px 12px 2px 0; vertical-align:top; white-space:nowrap; }
+.facts td { padding:2px 0; } .qfull { white-space:pre-wrap; }
+.chip { display:inline-block; background:#f3f4f6; border-radius:4px; padding:0 6px; margin:0 4px 2px 0; font-family:ui-monospace,monospace; font-size:12px; }
+.chip.total { background:#e0f2fe; font-weight:600; }
+.step { border-top:1px solid var(--line); padding:6px 12px 8px; }
+.shead { display:flex; flex-wrap:wrap; gap:12px; font-size:12px; color:var(--dim); margin-bottom:4px; }
+.shead .sn { color:#111827; font-weight:600; } .flag.ok { color:var(--ok); } .flag.bad { color:var(--bad); }
+.blk { display:grid; grid-template-columns:4.5em 1fr; gap:6px; margin:3px 0; }
+.blk .lbl { color:var(--dim); font-size:12px; text-align:right; padding-top:4px; }
+pre { margin:0; padding:5px 8px; border-radius:4px; white-space:pre-wrap; word-break:break-word; max-height:26em; overflow:auto;
+      font:12.5px/1.4 ui-monospace,"DejaVu Sans Mono",Menlo,monospace; }
+.think pre { background:#f9fafb; color:#374151; font-family:inherit; font-size:13px; font-style:italic; }
+.code pre { background:#1f2937; color:#e5e7eb; } .out pre { background:#fffbeb; border:1px solid #fde68a; }
+.raw { margin:3px 0 3px 5em; font-size:12px; color:var(--dim); } .raw pre { background:#f3f4f6; color:#111827; }
+pre.err { background:#fef2f2; color:var(--bad); }
+.dim { color:var(--dim); } .plot img { max-width:100%; } .plot summary { cursor:pointer; color:var(--dim); }
+"""
+
+_JS = """
+(function () {
+  "use strict";
+  const eps = Array.from(document.querySelectorAll(".ep"));
+  const groups = Array.from(document.querySelectorAll(".group"));
+  const boxes = Array.from(document.querySelectorAll('input[name="status"]'));
+  const stepSel = document.getElementById("step");
+  const shown = document.getElementById("shown");
+
+  function readHash() {  // #status=answered,timeout&step=step_00002&open=all
+    const p = new URLSearchParams(location.hash.slice(1));
+    if (p.has("status")) {
+      const want = new Set(p.get("status").split(","));
+      boxes.forEach(b => { b.checked = want.has(b.value); });
+    }
+    if (p.has("step") && Array.from(stepSel.options).some(o => o.value === p.get("step"))) {
+      stepSel.value = p.get("step");
+    }
+    if (p.get("open") === "all") eps.forEach(e => { e.open = true; });
+  }
+  function writeHash() {
+    const p = new URLSearchParams();
+    if (boxes.some(b => !b.checked)) p.set("status", boxes.filter(b => b.checked).map(b => b.value).join(","));
+    if (stepSel.value) p.set("step", stepSel.value);
+    history.replaceState(null, "", p.toString() ? "#" + p.toString() : location.pathname);
+  }
+  function apply() {
+    const on = new Set(boxes.filter(b => b.checked).map(b => b.value));
+    const step = stepSel.value;
+    let n = 0;
+    eps.forEach(e => {
+      const show = on.has(e.dataset.status) && (step === "" || e.dataset.step === step);
+      e.hidden = !show;
+      n += show ? 1 : 0;
+    });
+    groups.forEach(g => { g.hidden = !g.querySelector(".ep:not([hidden])"); });
+    shown.textContent = n + " of " + eps.length + " shown";
+  }
+  boxes.forEach(b => b.addEventListener("change", () => { apply(); writeHash(); }));
+  stepSel.addEventListener("change", () => { apply(); writeHash(); });
+  document.getElementById("open").onclick = () => eps.forEach(e => { if (!e.hidden) e.open = true; });
+  document.getElementById("close").onclick = () => eps.forEach(e => { e.open = false; });
+  window.addEventListener("hashchange", () => { readHash(); apply(); });
+  readHash();
+  apply();
+})();
+"""
+
+# Defence in depth: the page's Content-Security-Policy lets only this exact script run, so even a
+# bug in escaping could not execute a script (or an onerror= handler) an agent printed.
+_SCRIPT_HASH = "sha256-" + base64.b64encode(hashlib.sha256(_JS.encode()).digest()).decode()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m l0_min.viewer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("src", nargs="+", help="a run folder, or trajectories .jsonl files")
+    ap.add_argument("--out", help="output HTML (default: RUN_DIR/viewer.html for one run folder)")
+    ap.add_argument("--max-per-step", type=int, default=None, help="keep the first N episodes of each step")
+    args = ap.parse_args(argv)
+    if args.out is None:
+        if len(args.src) != 1 or not Path(args.src[0]).is_dir():
+            ap.error("--out is required unless the source is one run folder")
+        args.out = str(Path(args.src[0]) / "viewer.html")
+    src = args.src[0] if len(args.src) == 1 else args.src
+    try:
+        out = write_viewer(src, args.out, max_episodes_per_step=args.max_per_step)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(f"viewer: {e}") from None
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

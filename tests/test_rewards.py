@@ -1,0 +1,300 @@
+import doctest
+
+import pytest
+
+from l0_min import rewards
+from l0_min.config import RewardConfig
+from l0_min.episode import Episode, Step, Task
+from l0_min.rewards import (
+    answer_reward,
+    exact_match,
+    exec_score,
+    f1_one,
+    f1_score,
+    format_ok,
+    has_answer,
+    judge_answer,
+    judge_prompt,
+    normalize_answer,
+    parse_grade,
+    score_episode,
+    simpleqa_metrics,
+)
+
+
+def test_docstring_examples():
+    result = doctest.testmod(rewards)
+    assert result.attempted > 20 and result.failed == 0
+
+
+@pytest.mark.parametrize("raw, norm", [
+    ("The Beatles", "beatles"),
+    ("  A  Tale of Two Cities ", "tale of two cities"),
+    ("an apple", "apple"),
+    ("theatre", "theatre"),  # an article only as a whole word
+    ("U.S.A.", "usa"),  # SQuAD: punctuation removed without a space
+    ("1,000", "1000"),
+    ("$5.00", "500"),
+    ("3-4 km", "34 km"),
+    ("Café", "café"),  # accents kept (L0's ASCII normaliser drops them)
+    ("Cafe\u0301", "café"),  # decomposed accent == composed (NFKC)
+    ("Müller-Lüdenscheidt", "müllerlüdenscheidt"),
+    ("l'Hôpital", "lhôpital"),
+    ("¿Qué?", "qué"),
+    ("«Tokyo»", "tokyo"),  # non-ASCII punctuation removed
+    ("Ｔｏｋｙｏ", "tokyo"),  # full width folds
+    ("東京都", "東京都"),
+    ("Straße", "strasse"),  # casefold
+    ("100 km²", "100 km2"),
+    ("🙂 ok", "ok"),  # symbols removed
+    ("", ""),
+    ("— ... —", ""),
+])
+def test_normalize(raw, norm):
+    assert normalize_answer(raw) == norm
+
+
+def test_normalize_rejects_non_strings():
+    with pytest.raises(TypeError, match="expects a str"):
+        normalize_answer(12)
+
+
+def test_exact_match_cases():
+    assert exact_match("yes", ["Yes"]) == 1.0
+    assert exact_match("no", ["yes"]) == 0.0
+    assert exact_match("12", ["12 km"]) == 0.0  # units matter for EM
+    assert exact_match("July 4, 1776", ["4 July 1776"]) == 0.0
+    assert exact_match("cafe", ["Café"]) == 0.0  # no accent stripping
+    assert exact_match("CAFÉ!", ["Café"]) == 1.0
+    assert exact_match("the U.S.", ["US"]) == 1.0
+    assert exact_match("Lyon", ["Paris", "Lutetia", "lyon"]) == 1.0  # any alias
+    assert exact_match("Paris", "Paris") == 1.0  # a single gold string
+    assert exact_match("", ["Paris"]) == 0.0
+    assert exact_match("   ", [""]) == 0.0
+    assert exact_match(None, ["Paris"]) == 0.0
+    assert exact_match("A+", ["A+", "AB+"]) == 1.0  # gold of only punctuation/articles: light match
+    assert exact_match("+", ["A+"]) == 0.0
+    assert exact_match("B+", ["A+"]) == 0.0
+    with pytest.raises(ValueError, match="no gold"):
+        exact_match("x", [])
+
+
+def test_f1_exact_numbers():
+    assert f1_one("the cat sat", "cat sat on mat") == pytest.approx(2 * 1.0 * 0.5 / 1.5, abs=1e-15)
+    assert f1_one("12", "12 km") == pytest.approx(2 / 3, abs=1e-15)
+    assert f1_one("July 4, 1776", "4 July 1776") == 1.0  # same bag of tokens
+    assert f1_one("Barack Obama", "Obama") == pytest.approx(2 / 3, abs=1e-15)
+    assert f1_one("w x y z", "y z q") == pytest.approx(2 * 0.5 * (2 / 3) / (0.5 + 2 / 3), abs=1e-15)
+    assert f1_one("a b c d", "c d e") == pytest.approx(2 / 3, abs=1e-15)  # "a" is an article: b c d
+    assert f1_one("cafe", "café") == 0.0
+    assert f1_one("", "Paris") == 0.0
+    assert f1_one("A+", "A+") == 1.0 and f1_one("AB+", "A+") == 0.0
+
+
+def test_f1_hotpot_yes_no_special_case():
+    assert f1_one("yes", "yes it is") == 0.0  # prediction special and different
+    assert f1_one("yes it is", "yes") == 0.0  # gold special and different
+    assert f1_one("no", "No.") == 1.0
+    assert f1_one("noanswer", "no answer") == 0.0
+    assert f1_one("maybe no", "no way") == 0.5
+
+
+def test_f1_best_over_aliases():
+    assert f1_score("president Barack Obama", ["Obama", "Barack Obama"]) == 0.8
+    assert f1_score("Obama", ["Obama", "Barack Obama"]) == 1.0
+    assert f1_score(None, ["x"]) == 0.0
+
+
+def test_has_answer_and_answer_reward():
+    assert has_answer("0") and not has_answer("") and not has_answer(" \n") and not has_answer(None)
+    assert answer_reward("Paris", ["paris"]) == 1.0
+    assert answer_reward("Lyon", ["Paris"]) == 0.1
+    assert answer_reward("", ["Paris"]) == 0.0
+    assert answer_reward(None, ["Paris"]) == 0.0
+    assert answer_reward("Lyon", ["Paris"], correct=0.5) == pytest.approx(0.55, abs=1e-15)
+    assert answer_reward("Paris", ["Paris"], em_weight=1.0, has_answer_weight=0.0) == 1.0
+
+
+@pytest.mark.parametrize("text, ok", [
+    ("<think>search for it first</think><code>print(1+1)</code>", True),
+    ("<think>search for it first</think>\n<code>print(1+1)", True),  # stop string stripped
+    ("<think>0123456789</think><code>print(1)</code>", False),  # 10 chars: not more than 10
+    ("<think>0123456789a</think><code>print(1)</code>", True),  # 11 chars
+    ("<think>search for it first</think><code>a=1+2</code>", False),  # 5 chars
+    ("<think>search for it first</think><code>a=1+23</code>", True),  # 6 chars
+    ("<think>search for it first</think><code>   </code>", False),
+    ("<code>print(1+1)</code>", False),
+    ("<think>search for it first</think>", False),
+    ("<think>search for it first</think><think>and more thinking</think><code>print(1)</code>", False),
+    ("<think>search for it first</think><code>print(1)</code><code>print(2)</code>", False),
+    ("<code>print(1+1)</code><think>search for it first</think>", False),
+    ("<think>search for it first<code>print(1+1)</code>", False),
+    ("", False),
+])
+def test_format_ok(text, ok):
+    assert format_ok(text) is ok
+
+
+def test_format_ok_thresholds():
+    text = "<think>abc</think><code>x</code>"
+    assert format_ok(text, min_think_chars=2, min_code_chars=0)
+    assert not format_ok(text, min_think_chars=3, min_code_chars=0)
+
+
+def test_exec_score():
+    assert exec_score([True, False, None, True, True]) == 0.75
+    assert exec_score([False]) == 0.0
+    assert exec_score([None, None]) == 0.0
+    assert exec_score([]) == 0.0
+
+
+GOOD = "<think>I should search the corpus.</think><code>web_search('Paris')</code>"
+BAD = "I will just answer."
+
+
+def _episode(answer, steps):
+    ep = Episode(Task("t1", "What is the capital of France?", ["Paris"]))
+    ep.final_answer = answer
+    ep.steps = [Step([], [], [], action_text=text, exec_ok=ok) for text, ok in steps]
+    return ep
+
+
+def test_score_episode_worked_example():
+    ep = _episode("paris", [(GOOD, True), (BAD, False), (GOOD, None), (GOOD, True)])
+    score_episode(ep, RewardConfig())
+    per_step = [s.reward for s in ep.steps]
+    assert per_step == pytest.approx([0.1 / 4 + 0.1 / 3, 0.0, 0.1 / 4, 0.1 / 4 + 0.1 / 3 + 0.8], abs=1e-12)
+    assert [s.format_ok for s in ep.steps] == [True, False, True, True]
+    assert ep.reward == pytest.approx(0.8 * 1.0 + 0.1 * 0.75 + 0.1 * 2 / 3, abs=1e-12)
+    assert ep.reward == pytest.approx(0.941666666666667, abs=1e-12)
+    assert sum(per_step) == pytest.approx(ep.reward, abs=1e-12)
+    assert ep.rewards == pytest.approx({"answer": 1.0, "format": 0.75, "exec": 2 / 3, "em": 1.0, "f1": 1.0,
+                                        "has_answer": 1.0, "total": ep.reward}, abs=1e-12)
+
+
+def test_score_episode_wrong_answer_and_no_answer():
+    ep = _episode("Lyon", [(GOOD, True), (GOOD, False)])
+    score_episode(ep, RewardConfig())
+    # answer = 0.1 (answered, wrong); format 1; exec 0.5
+    assert ep.reward == pytest.approx(0.8 * 0.1 + 0.1 * 1.0 + 0.1 * 0.5, abs=1e-12)
+    assert [s.reward for s in ep.steps] == pytest.approx([0.05 + 0.05, 0.05 + 0.0 + 0.08], abs=1e-12)
+    assert ep.rewards["em"] == 0.0 and ep.rewards["has_answer"] == 1.0
+
+    ep = _episode(None, [(BAD, None)])
+    score_episode(ep, RewardConfig())
+    assert ep.reward == 0.0 and ep.steps[0].reward == 0.0
+    assert ep.rewards["has_answer"] == 0.0 and ep.rewards["exec"] == 0.0
+
+
+def test_score_episode_without_steps():
+    ep = _episode("Paris", [])
+    score_episode(ep, RewardConfig())
+    assert ep.reward == pytest.approx(0.8, abs=1e-12)
+    assert ep.rewards["format"] == 0.0 and ep.rewards["exec"] == 0.0
+
+
+def test_score_episode_uses_config_weights_and_metric():
+    cfg = RewardConfig(answer_weight=1.0, format_weight=0.0, exec_weight=0.0, em_weight=1.0, has_answer_weight=0.0,
+                       answer_metric="f1")
+    ep = _episode("president Barack Obama", [(GOOD, True)])
+    ep.task.answers = ["Barack Obama"]
+    score_episode(ep, cfg)
+    assert ep.reward == pytest.approx(0.8, abs=1e-12)  # F1 = 0.8
+    assert ep.rewards["em"] == 0.0 and ep.rewards["f1"] == pytest.approx(0.8, abs=1e-12)
+
+    cfg = RewardConfig(min_think_chars=100)
+    ep = _episode("Paris", [(GOOD, True)])
+    score_episode(ep, cfg)
+    assert ep.steps[0].format_ok is False and ep.rewards["format"] == 0.0
+
+    with pytest.raises(ValueError, match="answer_metric"):
+        score_episode(_episode("Paris", []), RewardConfig(answer_metric="bleu"))
+
+
+def test_score_episode_judge_override():
+    ep = _episode("The city of Paris, France", [(GOOD, True)])
+    score_episode(ep, RewardConfig(), correct=1.0)
+    assert ep.rewards["em"] == 0.0 and ep.rewards["correct"] == 1.0
+    assert ep.rewards["answer"] == 1.0
+    assert ep.reward == pytest.approx(0.8 + 0.1 + 0.1, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# judge
+
+
+@pytest.mark.parametrize("reply, grade", [
+    ("A", "correct"),
+    ("B", "incorrect"),
+    ("C", "not_attempted"),
+    (" **B** ", "incorrect"),
+    ("(A)", "correct"),
+    ("C.", "not_attempted"),
+    ("Grade: B", "incorrect"),
+    ("The grade is A", "correct"),
+    ("Answer: (C)", "not_attempted"),
+    ("A) CORRECT", "correct"),
+    ("B. INCORRECT - the year differs", "incorrect"),
+    ("The prediction names another person.\n**B**", "incorrect"),
+    ("NOT_ATTEMPTED", "not_attempted"),
+    ("This is NOT ATTEMPTED.", "not_attempted"),
+    ("The predicted answer is INCORRECT.", "incorrect"),
+    ("A correct answer would name the city. The prediction does.\nGrade: A", "correct"),
+    ("<think>Maybe B? The gold says 1990... it is A</think>\nC", "not_attempted"),
+    ("<think>hmm A or B</think>B", "incorrect"),
+])
+def test_parse_grade(reply, grade):
+    assert parse_grade(reply) == grade
+
+
+@pytest.mark.parametrize("reply", ["", "I am not sure.", "D", "<think>A</think>", "a correct answer"])
+def test_parse_grade_fails_loudly(reply):
+    with pytest.raises(rewards.JudgeParseError, match="no grade"):
+        parse_grade(reply)
+
+
+def test_judge_prompt_contents():
+    p = judge_prompt("Who wrote Hamlet?", ["William Shakespeare", "Shakespeare"], " Shakespeare ")
+    assert "Question: Who wrote Hamlet?" in p
+    assert "Gold answer: William Shakespeare | Shakespeare" in p
+    assert "Predicted answer: Shakespeare\n" in p
+    assert "A, B or C" in p
+    assert "Predicted answer: (no answer)" in judge_prompt("q", "g", None)
+
+
+async def test_judge_answer_calls_and_retries():
+    prompts = []
+
+    async def gen(prompt):
+        prompts.append(prompt)
+        return ["hmm", "**A**"][len(prompts) - 1]
+
+    assert await judge_answer("Who wrote Hamlet?", "William Shakespeare", "Shakespeare", gen) == "correct"
+    assert len(prompts) == 2 and "Who wrote Hamlet?" in prompts[0]
+
+    async def never(prompt):
+        raise AssertionError("a blank answer needs no judge call")
+
+    assert await judge_answer("q", "g", "  ", never) == "not_attempted"
+
+    async def garbage(prompt):
+        return "no idea"
+
+    with pytest.raises(rewards.JudgeParseError):
+        await judge_answer("q", "g", "x", garbage, retries=2)
+
+
+def test_simpleqa_metrics_exact():
+    m = simpleqa_metrics(["correct"] * 3 + ["incorrect"] + ["not_attempted"] * 4)
+    assert (m.n, m.correct, m.incorrect, m.not_attempted) == (8, 0.375, 0.125, 0.5)
+    assert m.accuracy_given_attempted == 0.75
+    assert m.f_score == pytest.approx(2 * 0.375 * 0.75 / (0.375 + 0.75), abs=1e-15)  # 0.5
+    assert m.f_score == pytest.approx(0.5, abs=1e-15)
+    m = simpleqa_metrics(["not_attempted"] * 2)
+    assert (m.correct, m.accuracy_given_attempted, m.f_score) == (0.0, 0.0, 0.0)
+    m = simpleqa_metrics(["correct"])
+    assert (m.correct, m.accuracy_given_attempted, m.f_score) == (1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="grade 1"):
+        simpleqa_metrics(["correct", "A"])
+    with pytest.raises(ValueError, match="no grades"):
+        simpleqa_metrics([])

@@ -1,0 +1,359 @@
+import asyncio
+import doctest
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from l0_min import search
+from l0_min.config import ToolsConfig
+from l0_min.search import (
+    BM25Backend,
+    JinaReader,
+    RetrieverClient,
+    SearchError,
+    SerpApiBackend,
+    SerperBackend,
+    make_backend,
+    serve_retriever,
+)
+from l0_min.world import make_world
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def world():
+    return make_world(seed=0, n_entities=60, n_tasks=256)
+
+
+@pytest.fixture(scope="module")
+def bm25(world):
+    return BM25Backend(world.corpus)
+
+
+def test_docstring_examples():
+    result = doctest.testmod(search)
+    assert result.attempted >= 4 and result.failed == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# BM25
+
+
+def test_bm25_finds_every_supporting_page_by_name(world, bm25):
+    titles = {d["id"]: d["title"] for d in world.corpus}
+    for t in world.tasks:
+        for doc in t.meta["support"]:
+            top = bm25.search_sync(titles[doc], 1)
+            assert top[0]["id"] == doc, (titles[doc], top[0]["title"])
+
+
+async def test_bm25_finds_the_page_for_lookup_questions(world, bm25):
+    lookups = [t for t in world.tasks if t.meta["kind"] == "lookup"]
+    assert len(lookups) > 80
+    for t in lookups:
+        hits = await bm25.search(t.question, 3)
+        assert t.meta["support"][0] in [h["id"] for h in hits], t.question
+        assert set(hits[0]) == {"id", "title", "text", "score"}
+        assert [h["score"] for h in hits] == sorted((h["score"] for h in hits), reverse=True)
+
+
+async def test_bm25_read_page_and_edge_cases(world, bm25):
+    doc = world.corpus[0]
+    page = await bm25.read_page(doc["id"])
+    assert page == f"{doc['title']}\n\n{doc['text']}"
+    assert await bm25.read_page(doc["title"]) == page
+    assert await bm25.read_page("  " + doc["title"].upper() + " ") == page
+    assert (await bm25.read_page("Atlantis")).startswith("No page found for 'Atlantis'")
+    assert await bm25.search("zzqx qqqz", 3) == []  # no word of the query in any page
+    assert await bm25.search("the of and ?", 3) == []  # only stopwords
+    assert len(await bm25.search("city", 1000)) == len([d for d in world.corpus if "city" in d["text"].lower()])
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        await bm25.search("city", 0)
+
+
+def test_bm25_rejects_bad_documents():
+    with pytest.raises(ValueError, match="no documents"):
+        BM25Backend([])
+    with pytest.raises(ValueError, match="document 1: duplicate id 'a'"):
+        BM25Backend([{"id": "a", "title": "A", "text": "x"}, {"id": "a", "title": "B", "text": "y"}])
+    with pytest.raises(ValueError, match=r"document 0: expected \{id, title, text\}"):
+        BM25Backend([{"id": "a", "text": "x"}])
+
+
+def test_bm25_unicode_tokens():
+    b = BM25Backend([{"id": "1", "title": "Zoë Müller", "text": "Sie wurde in Köln geboren."},
+                     {"id": "2", "title": "Other", "text": "Nothing here about koln."}])
+    assert b.search_sync("zoë", 1)[0]["id"] == "1"
+    assert b.search_sync("KÖLN", 2)[0]["id"] == "1"
+
+
+# ---------------------------------------------------------------------------------------------
+# retriever server + client over real HTTP
+
+
+async def test_retriever_round_trip(world, bm25):
+    server = await serve_retriever(bm25, "127.0.0.1", 0)
+    client = RetrieverClient(server.url)
+    try:
+        q = world.tasks[0].question
+        remote, local = await client.search(q, 3), await bm25.search(q, 3)
+        assert [r["id"] for r in remote] == [h["id"] for h in local]
+        assert [r["title"] for r in remote] == [h["title"] for h in local]
+        assert [r["text"] for r in remote] == [h["text"] for h in local]
+        assert [r["score"] for r in remote] == pytest.approx([h["score"] for h in local], rel=1e-6)
+        assert await client.read_page(remote[0]["id"]) == await bm25.read_page(remote[0]["id"])  # from the cache
+        other = world.corpus[-1]["title"]
+        assert await client.read_page(other) == await bm25.read_page(other)  # via a search for the exact title
+        assert (await client.read_page("Atlantis")).startswith("No page found")
+
+        async with aiohttp.ClientSession() as s:
+            body = {"queries": [q, "zzqx"], "topk": 2}
+            async with s.post(server.url + "/retrieve", json=body) as r:
+                plain = await r.json()
+            first = plain["result"][0][0]
+            assert set(first) == {"id", "contents"} and plain["result"][1] == []
+            assert first["contents"] == f'"{local[0]["title"]}"\n{local[0]["text"]}'
+            for bad, msg in [({"queries": "x"}, "'queries' must be a list"), ({"queries": ["x"], "topk": 0}, "'topk'"),
+                             ([1, 2], "JSON object")]:
+                async with s.post(server.url + "/retrieve", json=bad) as r:
+                    assert r.status == 400 and msg in (await r.json())["error"]
+            async with s.get(server.url + "/health") as r:
+                assert await r.json() == {"status": "ok", "docs": 60}
+    finally:
+        await client.close()
+        await server.close()
+
+
+async def _fake(handler, path="/{tail:.*}", method="*"):
+    app = web.Application()
+    app.router.add_route(method, path, handler)
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    return server, str(server.make_url("")).rstrip("/")
+
+
+async def test_retriever_client_errors():
+    async def broken(request):
+        return web.Response(status=500, text="index not loaded")
+
+    server, url = await _fake(broken)
+    client = RetrieverClient(url + "/retrieve")
+    try:
+        with pytest.raises(SearchError, match="HTTP 500: index not loaded"):
+            await client.search("x", 1)
+    finally:
+        await client.close()
+        await server.close()
+
+    async def odd(request):
+        return web.json_response({"results": []})
+
+    server, url = await _fake(odd)
+    client = RetrieverClient(url)
+    try:
+        with pytest.raises(SearchError, match="no result"):
+            await client.search("x", 1)
+    finally:
+        await client.close()
+        await server.close()
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    client = RetrieverClient(f"http://127.0.0.1:{port}", timeout=5)
+    try:
+        with pytest.raises(SearchError, match="retriever: POST .* failed"):
+            await client.search("x", 1)
+    finally:
+        await client.close()
+    with pytest.raises(ValueError, match="http://"):
+        RetrieverClient("localhost:8000")
+
+
+async def test_retriever_client_accepts_plain_documents():
+    async def plain(request):
+        body = await request.json()
+        assert body == {"queries": ["q"], "topk": 2, "return_scores": True}
+        return web.json_response({"result": [[{"id": "7", "contents": '"T"\nbody'}, {"title": "U", "text": "u"}]]})
+
+    server, url = await _fake(plain)
+    client = RetrieverClient(url)
+    try:
+        hits = await client.search("q", 2)
+        assert hits == [{"id": "7", "title": "T", "text": "body", "score": 1.0},
+                        {"id": "U#1", "title": "U", "text": "u", "score": 0.5}]
+    finally:
+        await client.close()
+        await server.close()
+
+
+def test_cli_serves_a_corpus(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "d1", "title": "Velmora", "text": "Velmora is a harbour town."}) + "\n"
+                      + json.dumps({"id": "d2", "title": "Other", "text": "Nothing."}) + "\n")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "l0_min.search", "--corpus", str(corpus), "--port", str(port)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()
+        assert f"2 documents at http://127.0.0.1:{port}/retrieve" in line, line
+
+        async def ask():
+            client = RetrieverClient(f"http://127.0.0.1:{port}")
+            try:
+                return await client.search("harbour", 1)
+            finally:
+                await client.close()
+
+        deadline = time.time() + 20
+        while True:
+            try:
+                hits = asyncio.run(ask())
+                break
+            except SearchError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.1)
+        assert [h["id"] for h in hits] == ["d1"]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# web backends against local fakes
+
+
+async def test_serper_request_and_parsing():
+    seen = {}
+
+    async def handler(request):
+        seen["path"], seen["key"] = request.path, request.headers.get("X-API-KEY")
+        seen["body"] = await request.json()
+        return web.json_response({
+            "answerBox": {"answer": "1889", "title": "Eiffel Tower", "link": "https://a.example/eiffel"},
+            "organic": [{"title": "Eiffel Tower - Wikipedia", "link": "https://en.wikipedia.org/wiki/Eiffel_Tower",
+                         "snippet": "The Eiffel Tower was completed in 1889.", "position": 1},
+                        {"title": "History", "link": "https://b.example", "snippet": "Built for the fair."}]})
+
+    server, url = await _fake(handler)
+    backend = SerperBackend("secret-key", base_url=url)
+    try:
+        hits = await backend.search("when was the eiffel tower built", 2)
+    finally:
+        await backend.close()
+        await server.close()
+    assert seen == {"path": "/search", "key": "secret-key", "body": {"q": "when was the eiffel tower built", "num": 2}}
+    assert hits == [
+        {"id": "https://a.example/eiffel", "title": "Eiffel Tower", "text": "1889", "score": 1.0},
+        {"id": "https://en.wikipedia.org/wiki/Eiffel_Tower", "title": "Eiffel Tower - Wikipedia",
+         "text": "The Eiffel Tower was completed in 1889.", "score": 0.5},
+    ]
+
+
+async def test_serper_http_error():
+    async def handler(request):
+        return web.json_response({"message": "Unauthorized."}, status=403)
+
+    server, url = await _fake(handler)
+    backend = SerperBackend("secret-key", base_url=url)
+    try:
+        with pytest.raises(SearchError, match="serper: POST .*/search -> HTTP 403") as e:
+            await backend.search("x", 3)
+        assert "secret-key" not in str(e.value)
+    finally:
+        await backend.close()
+        await server.close()
+
+
+async def test_serpapi_request_parsing_and_errors():
+    seen = {}
+
+    async def handler(request):
+        seen.update(request.query)
+        seen["path"] = request.path
+        if request.query["q"] == "bad":
+            return web.json_response({"error": "Invalid API key."})
+        if request.query["q"] == "nothing":
+            return web.json_response({"error": "Google hasn't returned any results for this query."})
+        return web.json_response({"answer_box": {"snippet": "Paris is the capital."},
+                                  "organic_results": [{"position": 1, "title": "Paris", "link": "https://p.example",
+                                                       "snippet": "Capital of France."}]})
+
+    server, url = await _fake(handler)
+    backend = SerpApiBackend("secret-key", base_url=url)
+    try:
+        hits = await backend.search("capital of france", 5)
+        assert seen == {"path": "/search.json", "engine": "google", "q": "capital of france", "num": "5",
+                        "api_key": "secret-key"}
+        assert hits == [{"id": "answer-box", "title": "Answer", "text": "Paris is the capital.", "score": 1.0},
+                        {"id": "https://p.example", "title": "Paris", "text": "Capital of France.", "score": 0.5}]
+        assert await backend.search("nothing", 5) == []
+        with pytest.raises(SearchError, match="serpapi: Invalid API key"):
+            await backend.search("bad", 5)
+    finally:
+        await backend.close()
+        await server.close()
+
+
+async def test_jina_reader():
+    seen = {}
+
+    async def handler(request):
+        seen["path"], seen["auth"] = request.path_qs, request.headers.get("Authorization")
+        return web.Response(text="Title: Example\n\nMarkdown body")
+
+    server, url = await _fake(handler)
+    reader = JinaReader(api_key="jina-key", base_url=url)
+    backend = SerperBackend("k", base_url=url, reader=reader)
+    try:
+        assert await backend.read_page("https://example.com/page?x=1") == "Title: Example\n\nMarkdown body"
+        assert seen == {"path": "/https://example.com/page?x=1", "auth": "Bearer jina-key"}
+        assert (await backend.read_page("Eiffel Tower")).startswith("read_page needs a web address")
+    finally:
+        await backend.close()
+        await server.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# make_backend
+
+
+async def test_make_backend_choices(tmp_path, world):
+    b = make_backend(ToolsConfig(search="bm25"), docs=world.corpus)
+    assert isinstance(b, BM25Backend) and len(b.docs) == 60
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text(json.dumps({"id": "x", "title": "X", "text": "only this"}) + "\n")
+    b = make_backend(ToolsConfig(search="bm25", corpus=str(corpus)), docs=world.corpus)  # tools.corpus wins
+    assert [d["id"] for d in b.docs] == ["x"]
+    with pytest.raises(ValueError, match="tools.search=bm25 needs documents"):
+        make_backend(ToolsConfig(search="bm25"))
+    with pytest.raises(ValueError, match="tools.retriever_url"):
+        make_backend(ToolsConfig(search="retriever"))
+    r = make_backend(ToolsConfig(search="retriever", retriever_url="http://127.0.0.1:8000/"))
+    assert isinstance(r, RetrieverClient) and r.url == "http://127.0.0.1:8000/retrieve"
+    with pytest.raises(ValueError, match="environment variable SERPER_API_KEY, which is unset"):
+        make_backend(ToolsConfig(search="serper"), env={})
+    with pytest.raises(ValueError, match="environment variable MY_KEY, which is unset"):
+        make_backend(ToolsConfig(search="serpapi", serpapi_api_key_env="MY_KEY"), env={"SERPAPI_API_KEY": "x"})
+    s = make_backend(ToolsConfig(search="serper"), env={"SERPER_API_KEY": "k", "JINA_API_KEY": "j"})
+    assert isinstance(s, SerperBackend) and s.api_key == "k" and s.reader.api_key == "j"
+    s = make_backend(ToolsConfig(search="serpapi"), env={"SERPAPI_API_KEY": "k"})
+    assert isinstance(s, SerpApiBackend) and s.reader.api_key is None
+    assert make_backend(ToolsConfig(search="none")) is None
+    with pytest.raises(ValueError, match="expected one of bm25, retriever, serper, serpapi, none"):
+        make_backend(ToolsConfig(search="google"))
