@@ -51,13 +51,13 @@ class ModelConfig:
 class SandboxConfig:
     enabled: bool = True  # False runs kernels without bwrap: an explicit, loudly logged opt-in
     network: bool = False  # share the host network (only for tools that need the open web)
-    memory_mb: int = 2048  # address-space limit of the kernel process tree (RLIMIT_AS)
-    max_procs: int = 64  # RLIMIT_NPROC inside the sandbox
+    memory_mb: int = 2048  # address-space limit of each process in the sandbox (RLIMIT_AS)
+    max_procs: int = 64  # RLIMIT_NPROC: processes and threads of the sandbox (ipykernel uses ~10)
     file_size_mb: int = 64  # RLIMIT_FSIZE: largest file a cell may write
     open_files: int = 256  # RLIMIT_NOFILE
-    cpu_seconds: int = 600  # RLIMIT_CPU of the kernel
+    cpu_seconds: int = 600  # RLIMIT_CPU of each process in the sandbox
     workspace_mb: int = 256  # size of the writable workspace (tmpfs)
-    tmp_mb: int = 64  # size of the private /tmp (tmpfs)
+    tmp_mb: int = 64  # size of the private /tmp, and of /dev/shm (tmpfs each)
     env_whitelist: list[str] = field(default_factory=lambda: ["LANG", "LC_ALL", "TZ"])
     # extra read-only mounts "host_path:sandbox_path" (a corpus or model the agent may read)
     ro_binds: list[str] = field(default_factory=list)

@@ -1,0 +1,539 @@
+"""Async Jupyter kernels, each in its own bubblewrap sandbox (see sandbox.py).
+
+    k = Kernel(cfg.sandbox, cfg.kernel, tool_server)
+    await k.start()                      # ~1 s: bwrap + ipykernel with the toolbox preloaded
+    r = await k.execute("x = 1; x + 1")  # ExecResult(result="2", ...), ~10 ms
+    await k.shutdown()                   # no process, no workspace left
+
+jupyter_client does the protocol: an AsyncKernelManager started from our own kernelspec (its
+argv is the bwrap command line; interrupt_mode "message", because a signal to bwrap would kill
+the sandbox) and an AsyncKernelClient over the ipc transport. The kernel's sockets live in its
+sandbox (/run/l0); the host connects through /proc/<sandbox pid>/root/run/l0, so the network
+namespace stays empty and no host folder is writable from inside.
+
+`execute` never raises for problems of the code it runs: errors, timeouts (interrupt, grace
+period, then kill) and a dead kernel (`dead=True`, an environment failure) are fields of the
+result. The kernel process is watched with a pidfd, so a death is noticed at once, with no
+polling and no thread per kernel. All kernels share one zmq context. If the host process itself
+is killed, its kernels die with it (bwrap --die-with-parent) and the next process to start a
+kernel removes their leftover runtime folders.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import glob
+import logging
+import os
+import re
+import resource
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+from jupyter_client import AsyncKernelManager
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+
+from l0_min import sandbox as sb
+from l0_min.config import KernelConfig, SandboxConfig
+
+log = logging.getLogger(__name__)
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+MARKER = "\n[... {n:,} characters truncated ...]\n"
+_MARKER_RE = re.compile(r"\[\.\.\. ([\d,]+) characters truncated \.\.\.\]")
+# no history database, plain tracebacks without colour (short, fast, no ANSI), no echo to the process's stdout
+KERNEL_ARGS = [
+    "--HistoryManager.enabled=False",
+    "--InteractiveShell.colors=nocolor",
+    "--InteractiveShell.xmode=Plain",
+    "--IPKernelApp.quiet=True",
+]
+
+
+def trim(text: str, max_chars: int) -> str:
+    """Keep head (2/3) and tail (1/3) of `text` with a marker between; the count in the marker
+    includes what earlier markers in the cut part stood for.
+
+    >>> trim("abcdefghij", 6)
+    'abcd\\n[... 4 characters truncated ...]\\nij'
+    """
+    if len(text) <= max_chars:
+        return text
+    head = max_chars * 2 // 3
+    tail = max_chars - head
+    cut = text[head : len(text) - tail]
+    n = len(cut)
+    for m in _MARKER_RE.finditer(cut):  # an earlier marker stands for more than its own length
+        n += int(m.group(1).replace(",", "")) - len(m.group(0)) - 2
+    return text[:head] + MARKER.format(n=n) + (text[len(text) - tail :] if tail else "")
+
+
+@dataclass
+class ExecResult:
+    stdout: str = ""
+    stderr: str = ""
+    result: str = ""  # text/plain of the cell's value
+    display: str = ""  # text/plain of display() calls
+    error_name: str = ""
+    error_value: str = ""
+    traceback: str = ""  # no ANSI codes
+    truncated: bool = False
+    duration: float = 0.0
+    timed_out: bool = False
+    dead: bool = False  # the kernel died (os._exit, OOM kill, killed after a timeout): an environment failure
+
+    @property
+    def ok(self) -> bool:
+        return not (self.error_name or self.timed_out or self.dead)
+
+    def text(self, max_chars: int = 2000) -> str:
+        """One observation text: outputs, then the error, then notes on a timeout or a death."""
+        parts = [p for p in (self.stdout, self.stderr, self.result, self.display) if p]
+        if self.error_name and not (self.timed_out and self.error_name == "KeyboardInterrupt"):
+            last = f"{self.error_name}: {self.error_value}"
+            tb = [ln for ln in self.traceback.splitlines() if ln.strip()]
+            if tb and tb[-1].strip() == last.strip():  # the traceback ends with the error line itself
+                tb.pop()
+            parts.append("\n".join(tb[-8:] + [f"Error: {last}"]))
+        if self.timed_out:
+            how = "the kernel did not stop and was killed" if self.dead else "the cell was interrupted"
+            parts.append(f"[timed out after {self.duration:.1f} s: {how}]")
+        elif self.dead:
+            parts.append("[the kernel died; its state is lost]")
+        return trim("\n".join(p.rstrip("\n") for p in parts), max_chars)
+
+
+class KernelDied(Exception):
+    """The kernel is gone (it died, or was shut down) and cannot run anything."""
+
+
+class KernelStartError(RuntimeError):
+    """A kernel did not start; the message carries the end of its log."""
+
+
+class _Bounded:
+    """Text that keeps at most `limit` head and `limit` tail characters, however much arrives."""
+
+    def __init__(self, limit: int):
+        self.limit, self.head, self.tail, self.dropped = limit, "", "", 0
+
+    def add(self, s: str) -> None:
+        room = self.limit - len(self.head)
+        if room > 0:
+            self.head += s[:room]
+            s = s[room:]
+        if s:
+            keep = (self.tail + s)[-self.limit :] if len(s) < self.limit else s[-self.limit :]
+            self.dropped += len(self.tail) + len(s) - len(keep)
+            self.tail = keep
+
+    def value(self) -> str:
+        return self.head + (MARKER.format(n=self.dropped) if self.dropped else "") + self.tail
+
+
+# ---------------------------------------------------------------------------------------------
+# process-wide plumbing: one zmq context, enough file descriptors
+
+_ctx: zmq.asyncio.Context | None = None
+
+
+def zmq_context() -> zmq.asyncio.Context:
+    """The zmq context of all kernels: no socket cap below the fd limit, a message size cap."""
+    global _ctx
+    if _ctx is None:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:  # 256 kernels need a few thousand descriptors
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        _ctx = zmq.asyncio.Context()
+        _ctx.set(zmq.MAX_SOCKETS, max(1024, min(hard, 1 << 16)))
+        # a kernel that undoes its output cap cannot push more than this per message
+        _ctx.setsockopt(zmq.MAXMSGSIZE, 64 << 20)
+    return _ctx
+
+
+def sweep_stale_runtime_dirs() -> list[str]:
+    """Remove the runtime folders of host processes that died without shutting their kernels down
+    (their kernels died with them: bwrap --die-with-parent). Returns the folders removed."""
+    removed = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "l0_min-*-k*-*")):
+        m = re.match(r"l0_min-(\d+)-k", os.path.basename(path))
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+        except ProcessLookupError:  # the host process is gone
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        except PermissionError:  # alive, another user's
+            pass
+    return removed
+
+
+_swept = False
+
+
+class _OneSpec(KernelSpecManager):
+    """A kernelspec manager that knows one spec: ours, built per kernel."""
+
+    def __init__(self, spec: KernelSpec, **kw):
+        super().__init__(**kw)
+        self._spec = spec
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return self._spec
+
+
+class _Manager(AsyncKernelManager):
+    """jupyter_client's manager with two hooks: the connection file must be readable by the
+    sandbox uid, and after launch the host's ipc path goes through /proc/<pid>/root."""
+
+    on_launched = None  # async callable, set by Kernel
+
+    async def _async_launch_kernel(self, kernel_cmd, **kw):
+        os.chmod(self.connection_file, 0o644)  # its folder stays 0700
+        await super()._async_launch_kernel(kernel_cmd, **kw)
+
+    async def _async_post_start_kernel(self, **kw):
+        await self.on_launched()
+        await super()._async_post_start_kernel(**kw)
+
+
+def check(kcfg: KernelConfig) -> None:
+    """Reject bad kernel settings with an error that names the field."""
+
+    def number(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    for name, ok, want in [
+        ("start_timeout", number(kcfg.start_timeout) and kcfg.start_timeout > 0, "a number > 0"),
+        ("exec_timeout", number(kcfg.exec_timeout) and kcfg.exec_timeout > 0, "a number > 0"),
+        ("interrupt_grace", number(kcfg.interrupt_grace) and kcfg.interrupt_grace >= 0, "a number >= 0"),
+        ("max_output_chars", isinstance(kcfg.max_output_chars, int) and kcfg.max_output_chars >= 200,
+         "an integer >= 200"),  # fmt: skip
+    ]:
+        if not ok:
+            raise ValueError(f"kernel.{name} must be {want}, got {getattr(kcfg, name)!r}")
+
+
+class Kernel:
+    def __init__(self, sandbox: SandboxConfig, kcfg: KernelConfig, tool_server=None):
+        check(kcfg)
+        self.id = f"k{uuid.uuid4().hex[:12]}"
+        self.sandbox, self.kcfg, self.tool_server = sandbox, kcfg, tool_server
+        self.runtime_dir: str | None = None  # private host folder: connection file, /etc/passwd
+        self.pid: int | None = None  # bwrap (or the kernel itself, unsandboxed)
+        self.sandbox_pid: int | None = None  # pid 1 of the sandbox, as the host sees it
+        self.start_seconds = 0.0
+        self._km: _Manager | None = None
+        self._kc = None
+        self._exited: asyncio.Future | None = None
+        self._pidfd = -1
+        self._log = bytearray()  # last 8 KiB of the kernel's stdout/stderr
+        self._uid: sb.UidLease | None = None
+        self._lock = asyncio.Lock()
+        self._closed = False
+
+    # ---------------------------------------------------------------- start
+    async def start(self) -> None:
+        """Start the sandboxed kernel; raises KernelStartError (with the kernel's log) if it does not come up."""
+        if self._km is not None or self._closed:
+            raise RuntimeError(f"kernel {self.id} was already started; kernels are not restarted")
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(self._start(), self.kcfg.start_timeout)
+        except (asyncio.TimeoutError, KernelDied, OSError, RuntimeError) as e:
+            tail = self.log_tail()
+            await self.shutdown()
+            why = f"no reply within {self.kcfg.start_timeout:g} s" if isinstance(e, asyncio.TimeoutError) else str(e)
+            raise KernelStartError(f"kernel {self.id} did not start: {why}\n--- kernel log ---\n{tail}") from e
+        except BaseException:  # cancelled, or a setting error (ValueError): clean up and pass it on
+            await self.shutdown()
+            raise
+        self.start_seconds = time.perf_counter() - t0
+
+    async def _start(self) -> None:
+        global _swept
+        sb.check(self.sandbox)
+        if not _swept:  # once per process
+            _swept = True
+            sweep_stale_runtime_dirs()
+        self.runtime_dir = tempfile.mkdtemp(prefix=f"l0_min-{os.getpid()}-{self.id}-")
+        if self.sandbox.enabled and sb.runs_as_root():
+            self._uid = sb.UidLease(self.sandbox)
+        tools = self.tool_server.open_episode(self.id) if self.tool_server is not None else None
+        conn = os.path.join(self.runtime_dir, "conn.json")
+        extra = {
+            "L0_MAX_OUTPUT_CHARS": str(self.kcfg.max_output_chars),
+            "L0_TOOLS_TIMEOUT": str(getattr(self.tool_server, "timeout", 20.0) + 5),
+        }
+        launch = sb.launch(self.sandbox, self.runtime_dir, conn_file=conn, tools_socket=tools, extra_env=extra,
+                           kernel_args=KERNEL_ARGS, uid=self._uid.uid if self._uid else None)  # fmt: skip
+        spec = KernelSpec(argv=launch.argv, display_name="l0 sandbox", language="python", interrupt_mode="message")
+        km = self._km = _Manager(
+            kernel_spec_manager=_OneSpec(spec), kernel_name="l0", context=zmq_context(), transport="ipc",
+            ip=launch.ip, connection_file=conn, autorestart=False,
+        )  # fmt: skip
+        km.on_launched = lambda: self._launched(launch)
+        await km.start_kernel(env=launch.env, cwd=launch.cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        self._kc = km.client()
+        self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+        await self._until_exit(self._kc.wait_for_ready(timeout=self.kcfg.start_timeout))
+        # the toolbox must be in the namespace, and the first cell should not pay for warm-up
+        r = await self._request("", silent=True, user_expressions={"ok": "type(notepad).__name__"}, timeout=10)
+        if r["user_expressions"]["ok"].get("status") != "ok":
+            raise KernelStartError(f"the toolbox is not loaded in kernel {self.id}: {r['user_expressions']['ok']}")
+
+    async def _launched(self, launch: sb.Launch) -> None:
+        """Right after the process exists: watch it, keep its log, find the sandbox's pid 1."""
+        proc = self._km.provisioner.process
+        self.pid = proc.pid
+        loop = asyncio.get_running_loop()
+        self._exited = loop.create_future()
+        self._pidfd = os.pidfd_open(proc.pid)
+        loop.add_reader(self._pidfd, self._on_exit)
+        os.set_blocking(proc.stdout.fileno(), False)
+        loop.add_reader(proc.stdout.fileno(), self._on_output, proc.stdout.fileno())
+        if not launch.sandboxed:
+            return
+        children = f"/proc/{proc.pid}/task/{proc.pid}/children"
+        for _ in range(2000):
+            try:
+                kids = open(children).read().split()
+            except FileNotFoundError:
+                kids = []
+            if kids:
+                break
+            if self._exited.done():
+                raise KernelDied(f"bwrap exited with status {proc.returncode}")
+            await asyncio.sleep(0.002)
+        else:
+            raise KernelDied("bwrap started no sandbox within 4 s")
+        self.sandbox_pid = int(kids[0])
+        self._km.ip = f"/proc/{self.sandbox_pid}/root{launch.ip}"
+
+    def _on_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self._pidfd = -1
+        proc = self._km.provisioner.process if self._km and self._km.provisioner else None
+        code = proc.poll() if proc is not None else None
+        if not self._exited.done():
+            self._exited.set_result(code)
+
+    def _on_output(self, fd: int) -> None:
+        """Keep the last 8 KiB of what the kernel process writes to its own stdout/stderr."""
+        for _ in range(16):  # a bounded amount per call: a flood must not starve the event loop
+            try:
+                data = os.read(fd, 1 << 16)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                data = b""
+            if not data:  # end of file: the process is gone
+                asyncio.get_running_loop().remove_reader(fd)
+                return
+            self._log += data
+            del self._log[: max(0, len(self._log) - 8192)]
+
+    def log_tail(self) -> str:
+        """The end of the kernel's own stdout/stderr (start errors, crashes)."""
+        proc = self._km.provisioner.process if self._km and self._km.provisioner else None
+        if proc is not None and proc.stdout is not None and not proc.stdout.closed:
+            self._on_output(proc.stdout.fileno())  # what arrived since the last event loop turn
+        return self._log.decode(errors="replace")
+
+    def is_alive(self) -> bool:
+        return not self._closed and self._exited is not None and not self._exited.done()
+
+    # ---------------------------------------------------------------- execute
+    async def _until_exit(self, aw, timeout: float | None = None):
+        """Await `aw`, but raise KernelDied if the kernel process exits first (TimeoutError on timeout)."""
+        task = asyncio.ensure_future(aw)
+        try:
+            await asyncio.wait([task, self._exited], timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:
+            task.cancel()
+            raise
+        if task.done():
+            return task.result()
+        task.cancel()
+        if self._exited.done():
+            raise KernelDied(f"kernel {self.id} exited with status {self._exited.result()}")
+        raise asyncio.TimeoutError
+
+    async def _request(self, code: str, *, timeout: float, **kw) -> dict:
+        """Run `code` and return the execute_reply content (its iopub messages are not read)."""
+        msg_id = self._kc.execute(code, allow_stdin=False, store_history=False, **kw)
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = await self._until_exit(self._kc.get_shell_msg(), max(0.0, deadline - time.monotonic()))
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"]
+
+    async def execute(self, code: str, timeout: float | None = None) -> ExecResult:
+        """Run one cell. Errors, a timeout and a dead kernel are reported in the result."""
+        if not isinstance(code, str):
+            raise TypeError(f"Kernel.execute: code must be a str, got {type(code).__name__}")
+        if self._closed or self._kc is None:
+            raise KernelDied(f"kernel {self.id} is shut down" if self._closed else f"kernel {self.id} was not started")
+        timeout = self.kcfg.exec_timeout if timeout is None else timeout
+        async with self._lock:
+            t0 = time.monotonic()
+            out = _Output(self.kcfg.max_output_chars)
+            if not self.is_alive():
+                out.dead = True
+            else:
+                msg_id = self._kc.execute(code, allow_stdin=False, stop_on_error=False)
+                state = await self._collect(msg_id, out, t0 + timeout)
+                if state == "timeout":
+                    out.timed_out = True
+                    await self._km.interrupt_kernel()
+                    state = await self._collect(msg_id, out, time.monotonic() + self.kcfg.interrupt_grace)
+                    if state == "timeout":
+                        log.warning("kernel %s ignored an interrupt for %g s: killing it", self.id,
+                                    self.kcfg.interrupt_grace)  # fmt: skip
+                        await self._kill()
+                out.dead = state == "dead" or not self.is_alive()
+            return out.finish(time.monotonic() - t0)
+
+    async def _collect(self, msg_id: str, out: "_Output", deadline: float) -> str:
+        """Read this cell's messages until it is idle and replied: 'done', 'timeout' or 'dead'."""
+        try:
+            while not out.idle:
+                msg = await self._until_exit(self._kc.get_iopub_msg(), max(0.0, deadline - time.monotonic()))
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    out.add(msg)
+            while not out.replied:
+                msg = await self._until_exit(self._kc.get_shell_msg(), max(0.0, deadline - time.monotonic()))
+                if msg["parent_header"].get("msg_id") == msg_id:
+                    out.add_reply(msg["content"])
+        except asyncio.TimeoutError:
+            return "timeout"
+        except KernelDied:
+            return "dead"
+        return "done"
+
+    async def read_notepad(self) -> str:
+        """notepad.render() from inside the kernel (silent: no output, not in the history).
+        Raises KernelDied if the kernel is gone, TimeoutError if it does not answer in 10 s."""
+        if not self.is_alive():
+            raise KernelDied(f"kernel {self.id} is not running")
+        async with self._lock:
+            r = await self._request("", silent=True, user_expressions={"n": "str(notepad.render())"},
+                                    timeout=min(10.0, self.kcfg.exec_timeout))  # fmt: skip
+        n = r.get("user_expressions", {}).get("n", {})
+        if n.get("status") != "ok":
+            return f"(the notepad is unavailable: {n.get('ename', '?')}: {n.get('evalue', '')})"
+        return ast.literal_eval(n["data"]["text/plain"])
+
+    # ---------------------------------------------------------------- stop
+    async def _kill(self) -> None:
+        """SIGKILL the sandbox's pid 1 (its namespace dies with it) and wait for bwrap to exit.
+        Unsandboxed, SIGKILL the kernel's process group."""
+        for pid in (self.sandbox_pid, self.pid):
+            if pid is not None and self._exited is not None and not self._exited.done():
+                try:
+                    if self.sandbox_pid is None:
+                        os.killpg(pid, signal.SIGKILL)  # launched with start_new_session: pgid == pid
+                    else:
+                        os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                try:
+                    await asyncio.wait_for(asyncio.shield(self._exited), 5.0)
+                except asyncio.TimeoutError:
+                    continue
+                break
+
+    async def shutdown(self) -> None:
+        """Stop the kernel: no process, no runtime folder and no tool socket are left. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._kc is not None:
+            self._kc.stop_channels()
+        await self._kill()
+        if self._km is not None:
+            proc = self._km.provisioner.process if self._km.provisioner else None
+            if proc is not None and proc.stdout is not None:
+                asyncio.get_running_loop().remove_reader(proc.stdout.fileno())
+            if self._pidfd >= 0:
+                asyncio.get_running_loop().remove_reader(self._pidfd)
+                os.close(self._pidfd)
+                self._pidfd = -1
+            if proc is not None:
+                if proc.poll() is None:  # reap bwrap; it is dead unless the kill above failed
+                    log.error("kernel %s: process %s survived SIGKILL", self.id, proc.pid)
+                if proc.stdout is not None:
+                    proc.stdout.close()
+            await self._km.cleanup_resources()
+        if self.tool_server is not None:
+            self.tool_server.close_episode(self.id)
+        if self.runtime_dir:
+            shutil.rmtree(self.runtime_dir, ignore_errors=True)
+        if self._uid is not None:
+            self._uid.release()  # every process of that uid is gone with the namespace
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "alive" if self.is_alive() else "dead" if self._exited else "new"
+        return f"Kernel({self.id}, {state})"
+
+
+class _Output:
+    """Collects one cell's messages into an ExecResult; memory is bounded whatever arrives."""
+
+    def __init__(self, limit: int):
+        self.stdout, self.stderr, self.display = _Bounded(limit), _Bounded(limit), _Bounded(limit)
+        self.result = ""
+        self.error = ("", "", "")
+        self.truncated = self.timed_out = self.dead = self.idle = self.replied = False
+        self.limit = limit
+
+    def add(self, msg: dict) -> None:
+        kind, c = msg["msg_type"], msg["content"]
+        if kind == "stream":
+            (self.stderr if c.get("name") == "stderr" else self.stdout).add(c.get("text", ""))
+        elif kind == "execute_result":
+            self.result = trim(c.get("data", {}).get("text/plain", ""), self.limit)
+        elif kind in ("display_data", "update_display_data"):
+            text = c.get("data", {}).get("text/plain", "")
+            if text:
+                self.display.add(text + "\n")
+        elif kind == "error":
+            self.error = (c.get("ename", ""), c.get("evalue", ""), "\n".join(c.get("traceback", [])))
+        elif kind == "status" and c.get("execution_state") == "idle":
+            self.idle = True
+
+    def add_reply(self, c: dict) -> None:
+        self.replied = True
+        self.truncated |= bool(c.get("l0_truncated"))
+        if c.get("status") == "error" and not self.error[0]:
+            self.error = (c.get("ename", ""), c.get("evalue", ""), "\n".join(c.get("traceback", [])))
+
+    def finish(self, duration: float) -> ExecResult:
+        name, value, tb = self.error
+        streams = (self.stdout, self.stderr, self.display)
+        return ExecResult(
+            stdout=self.stdout.value(), stderr=self.stderr.value(), result=self.result,
+            display=self.display.value().rstrip("\n"),
+            error_name=name, error_value=_ANSI.sub("", value), traceback=trim(_ANSI.sub("", tb), self.limit),
+            truncated=self.truncated or any(s.dropped for s in streams) or "characters truncated ...]" in self.result,
+            duration=duration, timed_out=self.timed_out, dead=self.dead,
+        )  # fmt: skip
+
+
+def __getattr__(name: str):
+    if name == "KernelPool":  # lives in pool.py; importable from here as the design map says
+        from l0_min.pool import KernelPool
+
+        return KernelPool
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

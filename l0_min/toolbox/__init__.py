@@ -1,0 +1,20 @@
+"""The agent's tools inside the kernel; the standard library only.
+
+Mounted read-only into every sandbox as the package `l0_toolbox` and preloaded by `boot.py`,
+so a cell can use these names without importing anything:
+
+    notepad                  the agent's memory: notepad.todo, notepad.facts, notepad.draft, render()
+    web_search(query, k=3)   search results (title, ref, snippet); print() them to read them
+    read_page(ref)           the text of a result's page
+    submit_final_answer(a)   give the final answer; only this ends the task
+
+The tools call the host's tool server over the unix socket in $L0_TOOLS_SOCKET. A failed call
+raises ToolError with the reason; a kernel without a tool server raises it on every call.
+"""
+
+from .client import ToolError, read_page, submit_final_answer, web_search
+from .notepad import Notepad
+
+notepad = Notepad()
+
+__all__ = ["notepad", "web_search", "read_page", "submit_final_answer", "Notepad", "ToolError"]

@@ -1,0 +1,121 @@
+"""Caps what one cell sends to the host, inside the kernel, so that a huge or endless output
+never reaches the host's memory in full.
+
+The cap wraps the kernel's `session.send`, the one point every outgoing message passes. Per cell
+(keyed by the execute_request's msg_id) there is one budget of `limit` characters:
+
+- stream text (print, stderr, os-level writes) passes until the budget is spent; after that only
+  the last `limit // 4` characters of each stream are kept, and just before the cell's
+  execute_reply they are sent behind a marker "[... N characters truncated ...]";
+- display_data / execute_result keep only text/plain, trimmed, and are dropped once the budget
+  is spent;
+- error values and traceback lines are trimmed, the traceback to its first and last entries;
+- the execute_reply of a cell that lost output carries "l0_truncated": true.
+
+A cell can undo this (it runs in the same process), but only to its own cost: the host also
+bounds what it keeps, and its zmq sockets refuse messages over a size limit.
+"""
+
+import threading
+from collections import OrderedDict
+
+MARKER = "\n[... {n:,} characters truncated ...]\n"
+
+
+def trim(text: str, limit: int) -> str:
+    """Head and tail of `text` with a marker between, at most about `limit` characters."""
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    tail = limit - head
+    return text[:head] + MARKER.format(n=len(text) - head - tail) + text[len(text) - tail :]
+
+
+class _Cell:
+    def __init__(self):
+        self.used = 0  # characters sent so far
+        self.tails = {}  # stream name -> [kept tail, characters held back]
+        self.dropped = 0  # characters of display output dropped
+
+
+class OutputCap:
+    def __init__(self, limit: int):
+        self.limit = max(200, int(limit))
+        self.tail_keep = self.limit // 4
+        self._cells = OrderedDict()
+        self._lock = threading.Lock()
+        self._send = None
+        self._iopub = None  # where stream messages go (learned from the first one)
+
+    def install(self, session) -> None:
+        self._send = session.send
+        session.send = self.send
+
+    def _cell(self, msg_id):
+        cell = self._cells.get(msg_id)
+        if cell is None:
+            cell = self._cells[msg_id] = _Cell()
+            while len(self._cells) > 64:  # output of cells long finished (background threads)
+                self._cells.popitem(last=False)
+        return cell
+
+    def send(self, stream, msg_or_type, content=None, parent=None, *args, **kwargs):
+        if isinstance(msg_or_type, dict):
+            msg_type = msg_or_type["header"]["msg_type"]
+            body = msg_or_type["content"]
+            msg_id = (msg_or_type.get("parent_header") or {}).get("msg_id")
+        else:
+            msg_type, body = msg_or_type, content
+            msg_id = ((parent or {}).get("header") or {}).get("msg_id")
+        if isinstance(body, dict):
+            with self._lock:
+                keep = self._filter(stream, msg_type, body, msg_id, parent)
+            if not keep:
+                return None
+        return self._send(stream, msg_or_type, content, parent, *args, **kwargs)
+
+    def _filter(self, stream, msg_type, body, msg_id, parent) -> bool:
+        if msg_type == "stream":
+            self._iopub = stream
+            cell = self._cell(msg_id)
+            text = str(body.get("text", ""))
+            room = max(0, self.limit - cell.used)
+            if len(text) > room:
+                rest = text[room:]
+                tail = cell.tails.setdefault(body.get("name", "stdout"), ["", 0])
+                tail[0] = (tail[0] + rest[-self.tail_keep :])[-self.tail_keep :]
+                tail[1] += len(rest)
+                text = text[:room]
+            cell.used += len(text)
+            body["text"] = text
+            return bool(text)
+        if msg_type in ("display_data", "execute_result", "update_display_data"):
+            cell = self._cell(msg_id)
+            plain = str((body.get("data") or {}).get("text/plain", ""))
+            room = self.limit - cell.used
+            if room <= 0:
+                cell.dropped += len(plain)
+                return False
+            body["data"] = {"text/plain": trim(plain, room)} if plain else {}
+            cell.used += len(body["data"].get("text/plain", ""))
+            return True
+        if msg_type in ("error", "execute_reply"):
+            if "evalue" in body:
+                body["evalue"] = trim(str(body["evalue"]), self.limit // 4)
+            if isinstance(body.get("traceback"), list):
+                tb = [trim(str(line), self.limit // 4) for line in body["traceback"]]
+                body["traceback"] = tb if len(tb) <= 12 else tb[:4] + [f"[... {len(tb) - 10} frames ...]"] + tb[-6:]
+        if msg_type == "execute_reply":
+            cell = self._cells.pop(msg_id, None)
+            if cell is None:
+                return True
+            truncated = cell.dropped > 0
+            for name, (tail, held) in cell.tails.items():  # held back: sent now, behind a marker if cut
+                cut = held - len(tail)
+                truncated |= cut > 0
+                if self._iopub is not None:
+                    text = (MARKER.format(n=cut) if cut else "") + tail
+                    self._send(self._iopub, "stream", {"name": name, "text": text}, parent)
+            if truncated:
+                body["l0_truncated"] = True
+        return True

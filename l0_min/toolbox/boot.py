@@ -1,0 +1,28 @@
+"""Start the IPython kernel of one sandbox with the toolbox preloaded and the output cap on.
+
+    python -m l0_toolbox.boot -f CONNECTION_FILE [ipykernel options]
+
+This is ipykernel's own launcher (IPKernelApp: initialize, start) with two steps between:
+the output cap wraps the session, and the tools are pushed into the user namespace. If the
+toolbox fails to import, the kernel does not start: the host sees the traceback.
+"""
+
+import os
+import sys
+
+
+def main(argv=None) -> None:
+    from ipykernel.kernelapp import IPKernelApp
+
+    import l0_toolbox
+    from l0_toolbox._capture import OutputCap
+
+    app = IPKernelApp.instance()
+    app.initialize(sys.argv[1:] if argv is None else argv)
+    OutputCap(int(os.environ.get("L0_MAX_OUTPUT_CHARS", "8000"))).install(app.session)
+    app.shell.push({name: getattr(l0_toolbox, name) for name in l0_toolbox.__all__}, interactive=False)
+    app.start()
+
+
+if __name__ == "__main__":
+    main()

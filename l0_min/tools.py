@@ -1,0 +1,190 @@
+"""The host side of the agent's tools: one aiohttp server, one unix socket per episode.
+
+    server = ToolServer(backend)              # backend: async search(query, k), async read_page(ref)
+    await server.start()
+    path = server.open_episode(kernel.id)     # the kernel's sandbox binds this socket (and only it)
+    ...                                       # in the kernel: web_search, read_page, submit_final_answer
+    server.final_answer(kernel.id)            # recorded when the call arrived; None if none
+    server.close_episode(kernel.id)
+
+The socket a request arrives on says which episode it belongs to: a request cannot name another
+episode, and printed text is never parsed for answers. Every backend call has a timeout, and a
+failure becomes an error reply, which the kernel raises as ToolError with the reason. The first
+final answer of an episode counts; later ones are refused (the kernel prints that they were).
+Records of closed episodes are kept for the last `keep_closed` episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import tempfile
+from collections import Counter, OrderedDict
+
+from aiohttp import web
+
+log = logging.getLogger(__name__)
+
+TOOLS = ("web_search", "read_page", "submit_final_answer")
+
+
+class ToolServer:
+    def __init__(self, backend=None, root: str | None = None, *, timeout: float = 20.0, snippet_chars: int = 300,
+                 page_chars: int = 4000, max_answer_chars: int = 2000, keep_closed: int = 10000):  # fmt: skip
+        self.backend = backend
+        self.timeout = timeout
+        self.snippet_chars, self.page_chars, self.max_answer_chars = snippet_chars, page_chars, max_answer_chars
+        self.keep_closed = keep_closed
+        self._root_given = root
+        self.root = root
+        self._runner: web.AppRunner | None = None
+        self._sites: dict[str, tuple[str, web.SockSite, asyncio.Task]] = {}  # open: key -> (path, site, start)
+        self._by_path: dict[str, str] = {}  # socket path -> key
+        self._answers: dict[str, str] = {}
+        self._calls: dict[str, Counter] = {}
+        self._closed_keys: OrderedDict[str, None] = OrderedDict()  # closed episodes, oldest first
+        self._pending: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        if self.root is None:
+            self.root = tempfile.mkdtemp(prefix="l0_min-tools-")  # 0700: only this user reaches the sockets
+        else:
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+        app = web.Application(client_max_size=1 << 20)
+        app.router.add_post("/call", self._handle)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+
+    async def close(self) -> None:
+        for key in list(self._sites):
+            self.close_episode(key)
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._root_given is None and self.root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+    # ------------------------------------------------------------------ episodes
+    def open_episode(self, key: str) -> str:
+        """Listen on a fresh unix socket for this episode and return its host path."""
+        if self._runner is None:
+            raise RuntimeError("ToolServer.open_episode: call `await start()` first")
+        if key in self._sites:
+            raise ValueError(f"ToolServer.open_episode: episode {key!r} is already open")
+        path = os.path.join(self.root, f"{key}.sock")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(path)
+        os.chmod(path, 0o666)  # the sandbox may run as another uid; the folder keeps others out
+        sock.listen(64)  # connections queue from now on, before the site below has started
+        site = web.SockSite(self._runner, sock)
+        self._sites[key], self._by_path[path] = (path, site, self._spawn(site.start())), key
+        self._calls[key] = Counter()
+        return path
+
+    def close_episode(self, key: str) -> None:
+        """Stop listening for this episode; its answer and counts stay readable for a while."""
+        entry = self._sites.pop(key, None)
+        if entry is None:
+            return
+        path, site, started = entry
+        self._by_path.pop(path, None)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+        async def stop() -> None:
+            await asyncio.gather(started, return_exceptions=True)
+            await site.stop()
+
+        self._spawn(stop())
+        self._closed_keys[key] = None
+        while len(self._closed_keys) > self.keep_closed:
+            old, _ = self._closed_keys.popitem(last=False)
+            self._answers.pop(old, None)
+            self._calls.pop(old, None)
+
+    def final_answer(self, key: str) -> str | None:
+        return self._answers.get(key)
+
+    def tool_calls(self, key: str) -> dict[str, int]:
+        return dict(self._calls.get(key, {}))
+
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._pending.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("tool server: starting or stopping an episode socket failed: %r", task.exception())
+
+    # ------------------------------------------------------------------ requests
+    async def _handle(self, request: web.Request) -> web.Response:
+        key = self._by_path.get(request.transport.get_extra_info("sockname") if request.transport else None)
+        if key is None:
+            return _reply(False, "this socket belongs to no open episode", 403)
+        try:
+            body = await request.json()
+            tool, args = body["tool"], body.get("args") or {}
+            assert isinstance(args, dict)
+        except Exception:
+            return _reply(False, 'the request must be JSON {"tool": name, "args": {...}}', 400)
+        if tool not in TOOLS:
+            return _reply(False, f"unknown tool {tool!r} (known: {', '.join(TOOLS)})", 400)
+        self._calls[key][tool] += 1
+        try:
+            if tool == "submit_final_answer":
+                return _reply(True, self._submit(key, args))
+            result = await asyncio.wait_for(self._backend_call(tool, args), self.timeout)
+        except ValueError as e:
+            return _reply(False, str(e), 400)
+        except asyncio.TimeoutError:
+            log.warning("tool %s of episode %s timed out after %g s", tool, key, self.timeout)
+            return _reply(False, f"the {tool} backend did not answer within {self.timeout:g} s", 504)
+        except Exception as e:
+            log.warning("tool %s of episode %s failed: %s: %s", tool, key, type(e).__name__, e)
+            return _reply(False, f"the {tool} backend failed: {type(e).__name__}: {e}", 502)
+        return _reply(True, result)
+
+    def _submit(self, key: str, args: dict) -> dict:
+        answer = args.get("answer")
+        if not isinstance(answer, str):
+            raise ValueError(f"submit_final_answer: answer must be a string, got {type(answer).__name__}")
+        if len(answer) > self.max_answer_chars:
+            raise ValueError(f"submit_final_answer: the answer has {len(answer)} characters, "
+                             f"more than the {self.max_answer_chars} allowed")  # fmt: skip
+        if key in self._answers:
+            return {"accepted": False, "answer": self._answers[key]}
+        self._answers[key] = answer
+        return {"accepted": True, "answer": answer}
+
+    async def _backend_call(self, tool: str, args: dict):
+        if self.backend is None:
+            raise ValueError(f"{tool}: no search backend is configured (tools.search=none)")
+        if tool == "web_search":
+            query, k = args.get("query"), args.get("k", 3)
+            if not isinstance(query, str) or not query.strip():
+                raise ValueError("web_search: query must be a non-empty string")
+            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 20:
+                raise ValueError(f"web_search: k must be an integer from 1 to 20, got {k!r}")
+            hits = await self.backend.search(query, k)
+            return [{"id": str(h.get("id", "")), "title": str(h.get("title", "")),
+                     "snippet": str(h.get("text", ""))[: self.snippet_chars], "score": float(h.get("score", 0.0))}
+                    for h in hits[:k]]  # fmt: skip
+        ref = args.get("ref")
+        if not isinstance(ref, str) or not ref.strip():
+            raise ValueError("read_page: ref must be a non-empty string (a search result's id)")
+        return str(await self.backend.read_page(ref))[: self.page_chars]
+
+
+def _reply(ok: bool, payload, status: int = 200) -> web.Response:
+    body = {"ok": True, "result": payload} if ok else {"ok": False, "error": payload}
+    return web.json_response(body, status=status)
