@@ -1,0 +1,256 @@
+"""The rollout collector: many NB-Agent episodes as coroutines in one asyncio event loop.
+
+    env = Env(cfg, policy, pool, tool_server, tokenizer)
+    batch = await collect_batch(env, stream, cfg.rollout)         # train.py: groups, dynamic sampling
+    await run_tasks(env, tasks, n_samples, on_episode=write)      # rollout.py / evaluate.py
+
+Failure handling (after the ROLL team's notes on agentic RL at scale):
+- environment failures (the sandbox did not start, the kernel died, a tool backend is down) are
+  retried up to `rollout.max_retries` times on a fresh kernel; after that the episode is kept as a
+  masked placeholder: zero training weight, counted in the metrics;
+- episodes that run out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout)
+  are dropped from the batch while the dropped fraction stays under rollout.max_dropped_frac;
+  past the cap they are kept and trained as the failures they are;
+- inference failures pause the episode and retry it while the server comes back; a server that
+  stays unreachable for inference.down_after seconds ends the run with InferenceDown;
+- dynamic sampling drops groups whose core reward (the answer reward) has no variance and keeps
+  drawing tasks until the batch is full, with at most rollout.max_extra_groups extra groups; if the
+  cap is reached, the batch is topped up with dropped groups so its size stays fixed.
+Episodes are consumed as they finish, never in lock step: a group completes when its last episode
+does, and up to rollout.max_concurrency episodes are in flight at any time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from . import algo
+from .agent import run_episode
+from .config import Config, RolloutConfig
+from .episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode, Task
+from .inference import InferenceError
+from .rewards import score_episode
+
+
+class InferenceDown(RuntimeError):
+    """The inference server(s) stayed unreachable: the run stops instead of making empty episodes."""
+
+
+@dataclass
+class Env:
+    """What an episode needs: config, a policy (inference client), kernels, the tool server, a tokenizer."""
+
+    cfg: Config
+    policy: object
+    pool: object
+    tool_server: object
+    tokenizer: object
+    semaphore: asyncio.Semaphore | None = None
+    counters: dict = field(default_factory=lambda: {"env_retries": 0, "inference_pauses": 0})
+
+    def __post_init__(self):
+        if self.semaphore is None:
+            self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
+
+
+async def _attempt(env: Env, task: Task) -> Episode:
+    """One try: acquire a kernel, run the agent under the hard timeout, release the kernel."""
+    kernel = None
+    try:
+        kernel = await env.pool.acquire()
+        return await asyncio.wait_for(
+            run_episode(task, env.policy, kernel, env.tokenizer, env.cfg, env.tool_server),
+            timeout=env.cfg.rollout.episode_timeout,
+        )
+    except asyncio.TimeoutError:
+        return Episode(task, status=TIMEOUT, error=f"hard episode timeout of {env.cfg.rollout.episode_timeout:g} s")
+    except InferenceError as e:
+        return Episode(task, status=INFERENCE_ERROR, error=str(e))
+    except Exception as e:  # the sandbox, the kernel or a tool backend: not the policy's fault
+        return Episode(task, status=ENV_ERROR, error=f"{type(e).__name__}: {e}")
+    finally:
+        if kernel is not None:
+            try:
+                await env.pool.release(kernel)
+            except Exception:
+                pass
+
+
+async def _wait_for_server(env: Env) -> None:
+    """Pause until the policy answers /health again, or raise InferenceDown after down_after s."""
+    env.counters["inference_pauses"] += 1
+    health = getattr(env.policy, "health", None)
+    deadline = time.monotonic() + env.cfg.inference.down_after
+    delay = env.cfg.inference.backoff
+    while time.monotonic() < deadline:
+        await asyncio.sleep(delay)
+        try:
+            if health is None or await health():
+                return
+        except Exception:
+            pass
+        delay = min(delay * 2, 10.0)
+    raise InferenceDown(f"inference server(s) unreachable for {env.cfg.inference.down_after:g} s (inference.down_after); stopping the run")
+
+
+async def run_one(env: Env, task: Task, group: int = 0, sample: int = 0) -> Episode:
+    """One scored episode, with environment retries and inference pauses (see module docstring)."""
+    async with env.semaphore:
+        env_failures = 0
+        while True:
+            ep = await _attempt(env, task)
+            if ep.status == INFERENCE_ERROR:
+                await _wait_for_server(env)  # raises InferenceDown when it stays down
+                continue
+            if ep.status == ENV_ERROR and env_failures < env.cfg.rollout.max_retries:
+                env_failures += 1
+                env.counters["env_retries"] += 1
+                continue
+            break
+    ep.group, ep.sample = group, sample
+    ep.masked = ep.status == ENV_ERROR  # a placeholder after max_retries: zero weight, kept for stats
+    score_episode(ep, env.cfg.reward)
+    return ep
+
+
+async def run_tasks(
+    env: Env,
+    tasks: list[Task],
+    n_samples: int = 1,
+    on_episode: Callable[[Episode], Awaitable[None] | None] | None = None,
+) -> list[Episode]:
+    """Every task `n_samples` times (no filtering, no dropping): rollout.py and evaluate.py.
+
+    `on_episode` is called as each episode finishes (write it out, update a progress line).
+    Episodes are returned in task order.
+    """
+
+    async def one(i: int, task: Task, s: int) -> Episode:
+        ep = await run_one(env, task, i, s)
+        if on_episode is not None:
+            r = on_episode(ep)
+            if asyncio.iscoroutine(r):
+                await r
+        return ep
+
+    jobs = [asyncio.create_task(one(i, t, s)) for i, t in enumerate(tasks) for s in range(n_samples)]
+    try:
+        return list(await asyncio.gather(*jobs))
+    finally:
+        for j in jobs:
+            j.cancel()
+
+
+# ---------------------------------------------------------------------------------------------
+# training batches
+
+
+class TaskStream:
+    """An endless, seeded, resumable order over the training tasks (a fresh shuffle each epoch).
+
+    >>> s = TaskStream([Task(str(i), "q", []) for i in range(3)], seed=0)
+    >>> [s.next().id for _ in range(4)], s.position
+    (['2', '1', '0', '1'], 4)
+    """
+
+    def __init__(self, tasks: list[Task], seed: int = 0, position: int = 0):
+        if not tasks:
+            raise ValueError("the training task list is empty (data.train)")
+        self.tasks, self.seed, self.position = list(tasks), seed, 0
+        self._order: list[int] = []
+        for _ in range(position):
+            self.next()
+
+    def next(self) -> Task:
+        epoch, i = divmod(self.position, len(self.tasks))
+        if i == 0 or not self._order:
+            self._order = list(range(len(self.tasks)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+        self.position += 1
+        return self.tasks[self._order[i]]
+
+
+@dataclass
+class Batch:
+    episodes: list[Episode]  # kept groups, in group order (masked placeholders included)
+    stats: dict
+
+
+def core_reward(ep: Episode) -> float:
+    """The reward dynamic sampling looks at: the final-answer reward."""
+    return float(ep.rewards.get("answer", 0.0))
+
+
+async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool = True) -> Batch:
+    """`rc.batch_size` groups of `rc.n_samples` episodes for one training step."""
+    t0 = time.perf_counter()
+    counters0 = dict(env.counters)
+    max_dropped = int(rc.max_dropped_frac * rc.batch_size * rc.n_samples)
+    stats = {"groups_launched": 0, "groups_dropped_ds": 0, "groups_topped_up": 0, "timeouts_dropped": 0,
+             "timeouts_kept": 0, "stragglers_cancelled": 0}  # fmt: skip
+
+    async def group(gi: int, task: Task) -> list[Episode]:
+        return list(await asyncio.gather(*(run_one(env, task, gi, s) for s in range(rc.n_samples))))
+
+    kept: list[list[Episode]] = []
+    dropped: list[list[Episode]] = []
+    running: set[asyncio.Task] = set()
+    extra_left = rc.max_extra_groups if dynamic_sampling else 0
+
+    def launch() -> None:
+        running.add(asyncio.create_task(group(stats["groups_launched"], stream.next())))
+        stats["groups_launched"] += 1
+
+    for _ in range(rc.batch_size + rc.over_sample_groups):
+        launch()
+    try:
+        while running and len(kept) < rc.batch_size:
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for fut in done:
+                running.discard(fut)
+                eps = fut.result()  # InferenceDown propagates and ends the run
+                # timeouts: dropped under the global cap, kept as failures past it
+                for ep in [e for e in eps if e.status == TIMEOUT]:
+                    if stats["timeouts_dropped"] < max_dropped:
+                        stats["timeouts_dropped"] += 1
+                        eps.remove(ep)
+                    else:
+                        stats["timeouts_kept"] += 1
+                if not eps:
+                    launch()
+                    continue
+                if dynamic_sampling and not all(algo.dynamic_sampling_keep([core_reward(e) for e in eps], [0] * len(eps))):
+                    stats["groups_dropped_ds"] += 1
+                    dropped.append(eps)
+                    if extra_left > 0:
+                        extra_left -= 1
+                        launch()
+                    continue
+                if len(kept) < rc.batch_size:
+                    kept.append(eps)
+            # keep enough groups in flight to fill the batch
+            while len(kept) + len(running) < rc.batch_size and (extra_left > 0 or not dynamic_sampling):
+                if dynamic_sampling:
+                    extra_left -= 1
+                launch()
+    finally:
+        stats["stragglers_cancelled"] = sum(1 for t in running if not t.done())
+        for t in running:
+            t.cancel()
+        if running:
+            await asyncio.gather(*running, return_exceptions=True)
+    while len(kept) < rc.batch_size and dropped:  # the extra-generation cap was reached
+        kept.append(dropped.pop())
+        stats["groups_topped_up"] += 1
+    episodes = [e for i, eps in enumerate(kept) for e in eps]
+    for gi, eps in enumerate(kept):  # renumber groups 0..batch_size-1 for the advantage functions
+        for e in eps:
+            e.group = gi
+    stats.update({k: env.counters[k] - counters0.get(k, 0) for k in env.counters})
+    stats["rollout_seconds"] = time.perf_counter() - t0
+    stats["task_position"] = stream.position
+    return Batch(episodes, stats)

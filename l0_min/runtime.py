@@ -1,0 +1,67 @@
+"""Bring up (and tear down) what episodes need, the same way for train.py, rollout.py and evaluate.py:
+
+    async with rollout_env(cfg, model_path, tokenizer, tasks, log_dir=run_dir) as env:
+        ...  # env.policy (InferenceClient), env.pool (KernelPool), env.tool_server, env.tokenizer
+
+- inference: `cfg.inference.urls` (SGLang servers or an sglang-router); if empty, the embedded CPU
+  server `python -m l0_min.serve` is started on `model_path` and stopped at the end;
+- tools: a search backend by `cfg.tools.search` (BM25 over the tasks' own paragraphs by default),
+  served to the sandboxes by one ToolServer;
+- kernels: a prewarmed KernelPool of bwrap'd ipykernels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from pathlib import Path
+
+from .collect import Env, InferenceDown
+from .config import Config
+from .data import corpus_from_tasks
+from .inference import InferenceClient
+from .pool import KernelPool
+from .search import make_backend
+from .serve import start_server_process, stop_server_process
+from .tools import ToolServer
+
+log = logging.getLogger(__name__)
+
+
+def start_embedded_server(cfg: Config, model_path: str | Path, log_dir: str | Path | None = None):
+    """Start `python -m l0_min.serve` on the model; returns (process, url)."""
+    log_path = Path(log_dir) / "server.log" if log_dir else None
+    return start_server_process(
+        str(model_path), port=cfg.inference.embedded_port, extra_args=("--dtype", cfg.model.dtype), log_path=log_path
+    )
+
+
+@contextlib.asynccontextmanager
+async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: list, log_dir: str | Path | None = None):
+    stack = contextlib.AsyncExitStack()
+    async with stack:
+        urls = list(cfg.inference.urls)
+        if not urls:
+            proc, url = await asyncio.to_thread(start_embedded_server, cfg, model_path, log_dir)
+            stack.callback(stop_server_process, proc)
+            urls = [url]
+            log.info("embedded inference server at %s (log: %s)", url, proc.log_path)
+        client = InferenceClient(urls, cfg.inference, max_connections=max(8, cfg.rollout.max_concurrency))
+        stack.push_async_callback(client.close)
+        if not await client.health():
+            raise InferenceDown(f"no inference server answers /health at {', '.join(urls)} (inference.urls)")
+        backend = make_backend(cfg.tools, docs=corpus_from_tasks(tasks))
+        if backend is not None and hasattr(backend, "close"):
+            stack.push_async_callback(backend.close)
+        tools = ToolServer(
+            backend, timeout=cfg.tools.timeout, snippet_chars=cfg.tools.snippet_chars, page_chars=cfg.tools.page_chars
+        )
+        await tools.start()
+        stack.push_async_callback(tools.close)
+        pool = KernelPool(cfg.sandbox, cfg.kernel, tools)
+        await pool.start()
+        stack.push_async_callback(pool.close)
+        env = Env(cfg, client, pool, tools, tokenizer)
+        env.urls = urls
+        yield env

@@ -1,0 +1,108 @@
+"""Run the NB-Agent over a dataset without training: collect trajectories, debug a scaffold.
+
+    python rollout.py --data synthetic:heldout --limit 20 --model smollm2-135m
+    python rollout.py --data hotpotqa --inference-url http://gpu-host:30000 rollout.max_concurrency=256
+
+Writes OUT/trajectories.jsonl (one Episode per line, as each finishes), OUT/summary.json and
+OUT/viewer.html, and shows a live progress line: episodes done/total, mean reward, agent steps/s,
+failures. Without --inference-url the embedded CPU server is started on --model.
+"""
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+from l0_min import config as configlib
+from l0_min.collect import Env, InferenceDown, run_tasks
+from l0_min.data import load_tasks
+from l0_min.episode import ANSWERED, ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode
+from l0_min.log import batch_metrics
+from l0_min.models import resolve_model
+from l0_min.runtime import rollout_env
+from l0_min.viewer import write_viewer
+
+ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+ap.add_argument("--config", help="a YAML file of overrides (see configs/)")
+ap.add_argument("--data", help="synthetic[:train|:heldout], a benchmark name or a file (default: data.eval)")
+ap.add_argument("--limit", type=int, default=None, help="first N tasks")
+ap.add_argument("--n-samples", type=int, default=1, help="episodes per task")
+ap.add_argument("--model", help="model for the embedded server (default: model.path)")
+ap.add_argument("--inference-url", action="append", default=[], help="SGLang server URL (repeatable)")
+ap.add_argument("--out", help="output folder (default runs/rollout-<time>)")
+ap.add_argument("overrides", nargs="*", help="section.key=value")
+args = ap.parse_args()
+
+
+def fail(msg: str) -> None:
+    print(f"rollout.py: error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+try:
+    cfg = configlib.resolve(args.overrides, args.config)
+except configlib.ConfigError as e:
+    fail(str(e))
+if args.model:
+    cfg.model.path = args.model
+if args.inference_url:
+    cfg.inference.urls = args.inference_url
+out = Path(args.out or f"runs/rollout-{time.strftime('%Y%m%d-%H%M%S')}")
+out.mkdir(parents=True, exist_ok=True)
+configlib.save(cfg, out / "config.yaml")
+
+try:
+    tasks = load_tasks(args.data or cfg.data.eval, cfg.data, limit=args.limit)
+    model_path = resolve_model(cfg.model.path)
+except Exception as e:
+    fail(str(e))
+if not tasks:
+    fail(f"no tasks in {args.data or cfg.data.eval!r}")
+
+from transformers import AutoTokenizer  # noqa: E402  (slow import, after the argument checks)
+
+tokenizer = AutoTokenizer.from_pretrained(model_path)
+
+
+class Progress:
+    """One self-overwriting status line."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.reward, self.steps, self.failures = total, 0, 0.0, 0, 0
+        self.t0 = time.perf_counter()
+        self.file = open(out / "trajectories.jsonl", "w", encoding="utf-8")
+
+    def __call__(self, ep: Episode) -> None:
+        self.file.write(json.dumps(ep.to_json(), ensure_ascii=False) + "\n")
+        self.file.flush()
+        self.done += 1
+        self.reward += ep.reward
+        self.steps += len(ep.steps)
+        self.failures += ep.status in (ENV_ERROR, INFERENCE_ERROR, TIMEOUT)
+        secs = time.perf_counter() - self.t0
+        print(f"\r{self.done}/{self.total} episodes  reward {self.reward / self.done:.3f}  "
+              f"{self.steps / secs:.2f} steps/s  failures {self.failures}  {secs:.0f} s", end="", flush=True)
+
+
+async def main() -> list[Episode]:
+    progress = Progress(len(tasks) * args.n_samples)
+    async with rollout_env(cfg, model_path, tokenizer, list(tasks), log_dir=out) as env:
+        episodes = await run_tasks(env, list(tasks), args.n_samples, on_episode=progress)
+    print()
+    return episodes
+
+
+t0 = time.perf_counter()
+try:
+    episodes = asyncio.run(main())
+except InferenceDown as e:
+    fail(str(e))
+summary = batch_metrics(episodes) | {"seconds": time.perf_counter() - t0, "data": tasks.source if hasattr(tasks, "source") else str(args.data)}
+(out / "summary.json").write_text(json.dumps(summary, indent=1))
+write_viewer(out / "trajectories.jsonl", out / "viewer.html")
+answered = sum(e.status == ANSWERED for e in episodes)
+print(f"{len(episodes)} episodes, answered {answered}, mean reward {summary['reward']:.3f}, "
+      f"EM {summary.get('reward/em', 0):.3f} in {summary['seconds']:.0f} s")
+print(f"wrote {out}/trajectories.jsonl, summary.json, viewer.html")

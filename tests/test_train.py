@@ -1,0 +1,95 @@
+"""train.py end to end on the tiny random model: clear one-line errors, and stop-and-resume."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = [sys.executable, "train.py", "--config", "configs/tiny_test.yaml"]
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+
+
+def _run(args, timeout=240):
+    return subprocess.run(BASE + args, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("algo.gama=1", "unknown key 'algo.gama'"),
+        ("rollout.n_samples=many", "rollout.n_samples: expected int"),
+        ("model.path=/nonexistent/model", "model path does not exist: /nonexistent/model"),
+        ("data.train=/nonexistent/tasks.jsonl", "data.train"),
+    ],
+)
+def test_bad_input_stops_with_one_clear_line(override, expected, tmp_path):
+    p = _run([override, f"run.out_dir={tmp_path}"], timeout=120)
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [l for l in p.stderr.splitlines() if l.startswith("train.py: error:")]
+    assert len(errors) == 1 and expected in errors[0], p.stderr[-2000:]
+
+
+def test_empty_dataset_and_unreachable_server(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    p = _run([f"data.train={empty}", f"run.out_dir={tmp_path}"], timeout=120)
+    assert p.returncode == 2
+    assert "train.py: error:" in p.stderr and "no tasks" in p.stderr.split("train.py: error:")[1], p.stderr[-2000:]
+    p = _run(["inference.urls=[http://127.0.0.1:9]", "inference.max_retries=0", f"run.out_dir={tmp_path}"], timeout=120)
+    assert p.returncode == 2
+    line = [l for l in p.stderr.splitlines() if l.startswith("train.py: error:")]
+    assert line and "http://127.0.0.1:9" in line[0], p.stderr[-2000:]
+
+
+def _step_metrics(run_dir: Path) -> dict:
+    return {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m}
+
+
+def test_sigterm_checkpoints_and_resume_matches_uninterrupted_run(tmp_path):
+    greedy = ["sampling.temperature=0", "run.steps=2"]
+    # uninterrupted reference
+    p = _run(greedy + [f"run.out_dir={tmp_path / 'a'}"], timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    (ref_dir,) = (tmp_path / "a").iterdir()
+    ref = _step_metrics(ref_dir)
+    assert sorted(ref) == [1, 2]
+
+    # the same run, stopped by SIGTERM once step 1 is logged
+    proc = subprocess.Popen(BASE + greedy + [f"run.out_dir={tmp_path / 'b'}"], cwd=ROOT, env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 400
+    run_dir = None
+    while time.time() < deadline:
+        dirs = list((tmp_path / "b").glob("*")) if (tmp_path / "b").exists() else []
+        if dirs and (dirs[0] / "metrics.jsonl").exists() and 1 in _step_metrics(dirs[0]):
+            run_dir = dirs[0]
+            break
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.5)
+    assert run_dir is not None, "step 1 never finished"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    assert "SIGTERM" in out and "checkpoint:" in out
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00001"]
+    assert 2 not in _step_metrics(run_dir)
+
+    # resume: step 2 equals the uninterrupted run's step 2
+    p = subprocess.run([sys.executable, "train.py", "--resume", str(run_dir)], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    got = _step_metrics(run_dir)
+    assert sorted(got) == [1, 2]
+    assert got[1]["train/loss"] == ref[1]["train/loss"]
+    assert got[2]["reward"] == pytest.approx(ref[2]["reward"])
+    assert got[2]["train/loss"] == pytest.approx(ref[2]["train/loss"], rel=1e-4, abs=1e-6)
+    assert got[2]["rollout/task_position"] == ref[2]["rollout/task_position"]
