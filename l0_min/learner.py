@@ -7,8 +7,9 @@
 
 Each rank runs the same code (SPMD). `fully_shard` wraps every decoder layer, then the root; gloo on
 CPU, nccl on GPU. Micro-batches are packed: rows are concatenated into one sequence of at most
-`micro_batch_tokens` with position ids restarting per row, which transformers turns into a
-block-diagonal causal mask, so no padding is computed.
+`micro_batch_tokens` with position ids restarting per row; linear layers run on the packed
+tokens and attention runs per row (`packed_sdpa`), so neither padding nor a dense block-diagonal
+mask is computed (bench/learner.py: the dense mask cost 2x at 4k-token micro-batches).
 """
 
 from __future__ import annotations
@@ -116,12 +117,41 @@ def _concat(mb: list[Row], device) -> dict[str, torch.Tensor]:
     }
 
 
+PACKED_ATTENTION = "l0_packed_sdpa"
+
+
+def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None, **kwargs):
+    """Causal attention within each row of a packed micro-batch: one SDPA call per row.
+
+    transformers' "sdpa" turns restarting position ids into a dense block-diagonal mask over the
+    whole micro-batch (work ~ micro_batch_tokens^2); this does sum(row_len^2) and builds no mask.
+    `cu_seq_lens_q` holds the row boundaries [0, len0, len0+len1, ..., n] (flash-attention's name).
+    Inputs are [1, heads, tokens, head_dim]; it serves the learner's packed, unpadded batches only.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
+    out = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling
+            )
+            for a, b in zip(bounds[:-1], bounds[1:])
+        ],
+        dim=2,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """log p(ids[t] | ids[<t]) for a packed sequence; position 0 of every row gets 0 (never an action).
 
     Returns a tensor of the same length as `ids`.
     """
-    logits = model(input_ids=ids[None], position_ids=pos[None], use_cache=False).logits[0].float()
+    cu = torch.tensor(torch.nonzero(pos == 0).flatten().tolist() + [len(pos)], dtype=torch.int32)
+    out = model(input_ids=ids[None], position_ids=pos[None], use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu)
+    logits = out.logits[0].float()
     logp = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[1:, None]).squeeze(-1)
     logp = F.pad(logp, (1, 0))
     return torch.where(pos == 0, torch.zeros_like(logp), logp)
@@ -163,21 +193,23 @@ def _shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
 
 class Learner:
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, algo_cfg: AlgoConfig, total_steps: int = 1):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
+        AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
         self.cfg, self.algo = cfg, algo_cfg
         self.rank, self.world, self.device = init_distributed(cfg.backend)
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
 
         def load():
-            m = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            m = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=PACKED_ATTENTION)
             m.config.use_cache = False
             return m.to(self.device)
 
         self.model = load()
         if cfg.activation_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.train()  # transformers checkpoints only in training mode; from_pretrained returns eval()
         _shard(self.model, cfg.mixed_precision)
         self.ref = None  # frozen reference policy, only when the KL penalty is on
         if algo_cfg.kl_coef > 0:

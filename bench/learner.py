@@ -1,0 +1,272 @@
+"""Learner throughput against plain PyTorch, and packing efficiency, measured in one run.
+
+    python bench/learner.py                  # full: a larger random Llama, more rows, more repetitions
+    python bench/learner.py --quick          # the same measurement, smaller (within 60 s on 2 CPU cores)
+    torchrun --nproc_per_node=2 bench/learner.py --quick   # per-rank numbers (the targets are on one rank)
+
+Workload: a realistic agent batch. Row lengths are log-normal (median ~500, clipped to 100..1500
+tokens); each row is a prompt followed by alternating action spans (masked in, ~30% of the tokens,
+one random advantage per span, sampler log-probs) and observation spans, as `segment_rows` makes them.
+The model is a random Llama saved to a temporary HF folder (toy tokenizer).
+
+  A  learner   `Learner.train_step(rows)`: FSDP2-wrapped model, first-fit-decreasing packing into
+               `micro_batch_tokens`, list->tensor conversion, DAPO loss bookkeeping, clip_grad_norm_,
+               AdamW step. Timed from the call to its return, everything included.
+  B  plain     the same weights loaded plainly (no FSDP, transformers' default attention), the same
+               rows, one unpadded row per forward (no packing, no padding: attention costs sum(len^2)),
+               `F.cross_entropy` summed over the row / total tokens, backward, AdamW step. Rows are
+               tensors before the clock starts. This is "a plain single-process PyTorch forward+backward
+               of the same model and tokens"; the headline ratio is tokens/s of A over B.
+  C  plain packed (full run; context) the learner's own packed forward (`token_logprobs`, same
+               attention implementation) on its micro-batches, -sum(logp) / n, backward, AdamW, with no
+               FSDP and no bookkeeping: A / C is the cost of FSDP + bookkeeping, C / B that of packing.
+
+Both A and B (and C) take an AdamW step with the same hyper-parameters; only the learner clips
+gradients. One warm-up of each, then the repetitions are interleaved (A B [C] A B [C] ...) and medians
+reported, of wall time and of process CPU time. On CPU each rank runs one thread (--threads) and the
+headline ratio uses CPU time: on a shared 2-core machine a step's wall time swings 2-3x with the other
+tenants' load while its CPU time (the work done; both sides in the same process, the same one thread)
+stays within a few percent. On GPU, with several ranks (where waiting on the others is part of the
+cost), or with --clock wall, the ratio uses wall time (CUDA-synchronised).
+
+Packing efficiency = real tokens / tokens fed to the model by the learner (its micro-batches,
+including the zero-weight filler rows that keep ranks in step). Naive padded batching (k rows per
+micro-batch padded to the longest, k chosen to fill the same budget on average) is shown for context,
+as is the attention work of packing: sum(len^2) / sum(micro-batch len^2) (what a dense block-diagonal
+mask computes).
+"""
+
+# ruff: noqa: E402
+import time
+
+T_START = time.perf_counter()  # the quick run's 60 s include the imports
+
+import argparse
+import math
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from l0_min.config import Config
+from l0_min.episode import Row
+from l0_min.learner import Learner, init_distributed, pack_rows, shard_rows, token_logprobs
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--quick", action="store_true")
+ap.add_argument("--seed", type=int, default=0)
+ap.add_argument("--reps", type=int, default=None, help="timed repetitions of each side")
+ap.add_argument("--rows", type=int, default=None, help="rows in the global batch")
+ap.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default 1)")
+ap.add_argument("--hidden", type=int, default=None)
+ap.add_argument("--layers", type=int, default=None)
+ap.add_argument("--micro-batch-tokens", type=int, default=None, help="packing budget (quick 2048, full 4096)")
+ap.add_argument("--clock", choices=["auto", "wall", "cpu"], default="auto", help="auto: process CPU time on a 1-rank, 1-thread CPU run, else wall")
+ap.add_argument("--packed-baseline", action=argparse.BooleanOptionalAction, default=None, help="also time C")
+args = ap.parse_args()
+
+RATIO_TARGET, PACK_TARGET = 0.9, 0.95
+if args.quick:
+    shape = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, vocab_size=2048)
+    n_rows, reps, packed_baseline, budget = 5, 3, False, 2048
+else:
+    shape = dict(hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2, vocab_size=8192)
+    n_rows, reps, packed_baseline, budget = 24, 5, True, 4096
+n_rows = args.rows or n_rows
+if args.hidden:
+    shape.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden, num_attention_heads=max(1, args.hidden // 64), num_key_value_heads=max(1, args.hidden // 64))
+if args.layers:
+    shape.update(num_hidden_layers=args.layers)
+reps = args.reps or reps
+budget = args.micro_batch_tokens or budget
+packed_baseline = packed_baseline if args.packed_baseline is None else args.packed_baseline
+
+rank, world, device = init_distributed()
+if device.type == "cpu":
+    torch.set_num_threads(args.threads or 1)
+
+
+def log(*a):
+    if rank == 0:
+        print(*a, flush=True)
+
+
+def sync():
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# -- the model: a random Llama in a temporary HF folder ------------------------------------------
+
+
+def make_model(folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from l0_min.toy import make_toy_tokenizer
+
+    torch.manual_seed(args.seed)
+    config = LlamaConfig(**shape, max_position_embeddings=2048, tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, bos_token_id=3)
+    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    make_toy_tokenizer().save_pretrained(folder)
+
+
+# -- the workload: rows shaped like agent trajectories --------------------------------------------
+
+
+def make_rows(n: int, vocab: int, rng: random.Random) -> list[Row]:
+    rows = []
+    for _ in range(n):
+        length = int(min(1500, max(100, rng.lognormvariate(math.log(500), 0.6))))
+        ids = [rng.randrange(4, vocab) for _ in range(length)]
+        mask, adv, old = [0.0] * length, [0.0] * length, [0.0] * length
+        t = max(20, int(0.15 * length))  # the prompt
+        while t < length:
+            a = rng.randint(16, 128)  # an action span ...
+            span_adv = rng.gauss(0.0, 1.0)
+            for j in range(t, min(t + a, length)):
+                mask[j], adv[j], old[j] = 1.0, span_adv, -rng.uniform(0.0, 3.0)
+            t += a + rng.randint(32, 256)  # ... then its observation
+        rows.append(Row(ids, mask, adv, old))
+    return rows
+
+
+# -- the plain baseline ---------------------------------------------------------------------------
+
+
+def plain_step(model, opt, rows: list[torch.Tensor], n_tokens: int) -> float:
+    """B: per row, forward + summed cross-entropy + backward; then AdamW. Returns the loss."""
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for ids in rows:
+        logits = model(input_ids=ids[None], use_cache=False).logits[0]
+        loss = F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum") / n_tokens
+        loss.backward()
+        total += loss.detach()
+    opt.step()
+    return float(total)
+
+
+def plain_packed_step(model, opt, batches: list[tuple[torch.Tensor, torch.Tensor]], n_tokens: int) -> float:
+    """C: per packed micro-batch, the learner's own forward (`token_logprobs`), -sum(logp) / n, backward; AdamW."""
+    opt.zero_grad(set_to_none=True)
+    total = 0.0
+    for ids, pos in batches:
+        loss = -token_logprobs(model, ids, pos).sum() / n_tokens
+        loss.backward()
+        total += loss.detach()
+    opt.step()
+    return float(total)
+
+
+def main() -> None:
+    # one folder for all ranks: rank 0 makes it, the others learn its name
+    tmp = [tempfile.mkdtemp(prefix="l0min-bench-learner-") if rank == 0 else None]
+    dist.broadcast_object_list(tmp, src=0)
+    folder = Path(tmp[0])
+    if rank == 0:
+        make_model(folder)
+    dist.barrier()
+
+    rows = make_rows(n_rows, shape["vocab_size"], random.Random(args.seed))  # the same global batch on every rank
+    mine = shard_rows(rows, rank, world)
+
+    cfg = Config()
+    cfg.learner.lr, cfg.learner.micro_batch_tokens, cfg.learner.grad_clip = 1e-5, budget, 1.0
+    learner = Learner(folder, cfg.learner, cfg.algo, total_steps=1000)
+
+    from transformers import AutoModelForCausalLM
+
+    def plain_model(**kw):
+        m = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **kw).to(device)  # eval mode, as the learner's
+        m.config.use_cache = False
+        opt = torch.optim.AdamW(m.parameters(), lr=cfg.learner.lr, betas=tuple(cfg.learner.betas), weight_decay=cfg.learner.weight_decay)
+        return m, opt
+
+    plain, plain_opt = plain_model()  # transformers' default attention (sdpa)
+
+    # -- packing accounting (what the learner does inside train_step, recomputed here) --
+    per_rank_mb = [pack_rows(shard_rows(rows, r, world), budget) for r in range(world)]
+    n_mb = max(len(m) for m in per_rank_mb)
+    real = sum(len(r) for r in rows)
+    processed = sum(sum(len(x) for mb in m for x in mb) + 2 * (n_mb - len(m)) for m in per_rank_mb)
+    packing_eff = real / processed
+    mean_len = real / len(rows)
+    k = max(1, round(budget / mean_len))  # rows per naive micro-batch: the same budget on average
+    padded_tokens = lambda seq: sum(len(b) * max(map(len, b)) for b in (seq[i : i + k] for i in range(0, len(seq), k)))
+    padded, padded_sorted = padded_tokens(rows), padded_tokens(sorted(rows, key=len))
+    attn_useful = sum(len(r) ** 2 for r in rows)
+    attn_packed = sum(sum(len(x) for x in mb) ** 2 for m in per_rank_mb for mb in m)
+    action_frac = sum(sum(1 for v in r.mask if v > 0) for r in rows) / real
+
+    # -- tensors for the plain sides (built before the clock, on purpose: B is pure fwd+bwd+opt) --
+    my_tokens = sum(len(r) for r in mine)
+    per_row = [torch.tensor(r.ids, device=device) for r in mine]
+    packed = [
+        (
+            torch.tensor([t for r in mb for t in r.ids], device=device),
+            torch.tensor([p for r in mb for p in range(len(r))], device=device),
+        )
+        for mb in per_rank_mb[rank]
+    ]
+
+    sides = {"A": lambda: learner.train_step(mine), "B": lambda: plain_step(plain, plain_opt, per_row, my_tokens)}
+    if packed_baseline:  # the learner's attention implementation, whatever it is
+        plain_c, plain_c_opt = plain_model(attn_implementation=learner.model.config._attn_implementation)
+        sides["C"] = lambda: plain_packed_step(plain_c, plain_c_opt, packed, my_tokens)
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    cpu: dict[str, list[float]] = {s: [] for s in sides}
+    log(f"model: {shape} ({sum(p.numel() for p in plain.parameters()) / 1e6:.1f}M params), device={device}, ranks={world}, threads={torch.get_num_threads()}")
+    log(f"batch: {len(rows)} rows, {real} tokens (this rank {len(mine)} rows, {my_tokens} tokens), action tokens {action_frac:.1%}, micro_batch_tokens={budget}")
+    log(f"setup {time.perf_counter() - T_START:.1f} s; warm-up, then {reps} interleaved repetitions of {' '.join(sides)}")
+    for rep in range(reps + 1):  # rep 0 is the warm-up
+        for name, fn in sides.items():
+            dist.barrier()
+            sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
+            if rep:
+                times[name].append(dt)
+                cpu[name].append(dc)
+        if rep:
+            log(f"  rep {rep}: " + "  ".join(f"{n}={times[n][-1]:.3f}s (cpu {cpu[n][-1]:.3f}s)" for n in sides))
+
+    # -- per-rank medians, gathered to rank 0 --
+    clock = args.clock if args.clock != "auto" else ("cpu" if device.type == "cpu" and torch.get_num_threads() == 1 and world == 1 else "wall")
+    med = {n: statistics.median(v) for n, v in times.items()}
+    med_cpu = {n: statistics.median(v) for n, v in cpu.items()}
+    mine_stats = [med, med_cpu, my_tokens]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine_stats)
+    if rank == 0:
+        labels = {"A": "learner (FSDP2, packed, DAPO loss)", "B": "plain fwd+bwd, one row per forward", "C": "plain fwd+bwd, learner's packed forward"}
+        print(f"\n{'rank':>4} {'side':<42} {'tokens':>7} {'median s':>9} {'tokens/s':>9} {'vs B':>6} {'cpu s':>7} {'vs B':>6}")
+        for r, (m, mc, tok) in enumerate(gathered):
+            for n in m:
+                print(f"{r:>4} {n + ' ' + labels[n]:<42} {tok:>7} {m[n]:9.3f} {tok / m[n]:9.0f} {m['B'] / m[n]:6.3f} {mc[n]:7.3f} {mc['B'] / mc[n]:6.3f}")
+        print(f"\n{'packing':<48} {'processed':>9} {'efficiency':>10}")
+        print(f"{'learner: first-fit-decreasing, no padding':<48} {processed:>9} {packing_eff:10.3f}   ({sum(len(m) for m in per_rank_mb)} micro-batches + {sum(n_mb - len(m) for m in per_rank_mb)} filler)")
+        print(f"{f'naive: {k} rows per batch in order, padded':<48} {padded:>9} {real / padded:10.3f}")
+        print(f"{f'naive: {k} rows per batch sorted by length, padded':<48} {padded_sorted:>9} {real / padded_sorted:10.3f}")
+        print(f"attention pairs: one row per forward {attn_useful:.3g}, packed (block-diagonal mask, dense) {attn_packed:.3g} -> {attn_useful / attn_packed:.3f}")
+        m, mc, _ = gathered[0]
+        ratio = (mc if clock == "cpu" else m)["B"] / (mc if clock == "cpu" else m)["A"]
+        print(f"ratio = tokens/s of A over B on rank 0, by {'process CPU time' if clock == 'cpu' else 'wall time'} (--clock {args.clock})")
+        print(f"\ntotal {time.perf_counter() - T_START:.1f} s")
+        print(f"RESULT learner_vs_plain_ratio={ratio:.3f} target >= {RATIO_TARGET} {'MET' if ratio >= RATIO_TARGET else 'SHORT'}")
+        print(f"RESULT packing_efficiency={packing_eff:.3f} target >= {PACK_TARGET} {'MET' if packing_eff >= PACK_TARGET else 'SHORT'}")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+main()
