@@ -207,10 +207,18 @@ while step < cfg.run.steps:
     step += 1
 
     # 4c. weight sync: export, then every inference server loads it and reports the version
+    #     (skipped when a stop signal arrived during the step: the checkpoint below keeps it)
     t_sync = time.perf_counter()
-    folder = export_weights(step)
+    stopping = [stop["requested"]]
+    dist.broadcast_object_list(stopping, src=0)
+    folder = export_weights(step) if not stopping[0] else None
     if rank == 0:
-        loop.run_until_complete(env.policy.update_weights_from_disk(str(folder), str(step)))
+        sync_error = None
+        if folder is not None:
+            try:
+                loop.run_until_complete(env.policy.update_weights_from_disk(str(folder), str(step)))
+            except Exception as e:  # checkpoint first, then stop with the reason
+                sync_error, exit_code = f"weight sync to {', '.join(env.urls)} failed: {e}", 3
         sync_seconds = time.perf_counter() - t_sync
 
         # 4d. log: metrics, trajectories, the per-step table row, plot and viewer
@@ -223,13 +231,19 @@ while step < cfg.run.steps:
         print(format_step_row(step, metrics), flush=True)
         plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
         write_viewer(run.path, run.viewer_html, cfg.log.viewer_max_per_step or None)
-        if cfg.run.eval_every > 0 and step % cfg.run.eval_every == 0 and step < cfg.run.steps:
+        if sync_error:
+            print(f"train.py: error: {sync_error}", file=sys.stderr, flush=True)
+        elif cfg.run.eval_every > 0 and step % cfg.run.eval_every == 0 and step < cfg.run.steps and not stopping[0]:
             evaluate(step)
+    failed = [exit_code]
+    dist.broadcast_object_list(failed, src=0)
     saving = cfg.run.save_every > 0 and step % cfg.run.save_every == 0
-    if saving or step == cfg.run.steps:
+    if saving or step == cfg.run.steps or stopping[0] or failed[0]:
         position = [stream.position if rank == 0 else 0]
         dist.broadcast_object_list(position, src=0)
         save_checkpoint(step, position[0])
+    if stopping[0] or failed[0]:
+        break
 
 # ---------------------------------------------------------------------------------------------
 # 5. wrap up

@@ -1,0 +1,607 @@
+"""The embedded CPU inference server: SGLang's native HTTP API over transformers, for machines without a GPU.
+
+    python -m l0_min.serve --model smollm2-135m --port 30000
+
+Endpoints (the subset of SGLang's `http_server.py` that l0_min uses, same JSON):
+
+    POST /generate                  text or input_ids, single or batched, sampling_params (n, stop, ...)
+    POST /update_weights_from_disk  {model_path, weight_version, flush_cache, abort_all_requests, ...}
+    GET  /health                    200 once the model is loaded and the engine runs, else 503
+    GET  /health_generate           200 if a one-token generation goes through within 20 s
+    GET  /get_model_info            {model_path, tokenizer_path, is_generation, weight_version, ...}
+    GET  /get_weight_version        {weight_version}
+    GET|POST /flush_cache           200, or 400 while requests are in flight (as SGLang)
+
+Bad requests get SGLang's 400 bodies: `{"error": {"message": ...}}` for values /generate cannot serve,
+`{"object": "error", "message": ..., "type": "Bad Request", "param": null, "code": 400}` for a body
+that does not parse or has a field of the wrong type. Every message names the field. Fields SGLang has
+but this server does not implement are accepted only at their default value (a clear 400 otherwise).
+
+Differences from SGLang, on purpose:
+  - `output_token_logprobs` are raw-model log-probs (temperature 1) by default; SGLang gives that only
+    with SGLANG_RETURN_ORIGINAL_LOGPROB=1 (`--logprob-mode temperature` gives SGLang's default).
+  - A weight update always drops the prefix cache (its keys/values belong to the old weights).
+  - No streaming, no input-token log-probs, no top-logprobs, no penalties, no constrained decoding.
+
+A weight update waits for in-flight requests to finish and holds new ones until it is done (SGLang's
+model_update_lock); with `abort_all_requests` the in-flight ones are aborted instead.
+
+`start_server_process(model)` starts it in a subprocess (tests, train.py) and returns its URL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+from aiohttp import web
+
+log = logging.getLogger("l0_min.serve")
+STATE = web.AppKey("l0_min_state", dict)
+
+READY_RE = re.compile(r"l0_min\.serve ready at (http://\S+)")
+
+
+class RequestError(ValueError):
+    """A bad request. `schema` errors (unparsable body, wrong JSON type) use SGLang's validation-error
+    body; the others its /generate error body."""
+
+    def __init__(self, message: str, schema: bool = False):
+        super().__init__(message)
+        self.schema = schema
+
+
+# ---------------------------------------------------------------------------------------------
+# request schema: GenerateReqInput and SamplingParams fields (sglang/srt/managers/io_struct.py,
+# sglang/srt/sampling/sampling_params.py)
+
+# accepted and without effect here
+IGNORED_FIELDS = {"log_metrics", "priority", "routing_key", "conversation_id", "extra_key", "cache_salt",
+                  "custom_labels", "no_logs", "external_trace_header", "received_time", "routed_dp_rank",
+                  "data_parallel_rank", "modalities", "background"}
+# SGLang features not implemented here: accepted only at their default value
+UNSUPPORTED_FIELDS = {"stream": (False,), "logprob_start_len": (-1,), "top_logprobs_num": (0,),
+                      "token_ids_logprob": (), "input_embeds": (), "image_data": (), "video_data": (),
+                      "audio_data": (), "lora_path": (), "lora_id": (), "session_params": (), "session_id": (),
+                      "custom_logit_processor": (), "return_hidden_states": (False,),
+                      "return_routed_experts": (False,), "return_entropy": (False,),
+                      "return_prompt_token_ids": (False,), "return_sampling_mask": (False,),
+                      "bootstrap_host": (), "bootstrap_port": (), "bootstrap_room": ()}
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs", "rid"}
+
+SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
+                   "ignore_eos", "skip_special_tokens", "no_stop_trim", "n", "spaces_between_special_tokens"}
+UNSUPPORTED_SAMPLING = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
+                        "min_new_tokens": (0,), "json_schema": (), "regex": (), "ebnf": (), "structural_tag": (),
+                        "stop_regex": (), "logit_bias": (), "custom_params": (), "stream_interval": (),
+                        "sampling_seed": ()}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _check_unsupported(obj: dict, table: dict, where: str) -> None:
+    for key, defaults in table.items():
+        if key in obj and obj[key] is not None and obj[key] not in defaults:
+            raise RequestError(f"{where}{key}={obj[key]!r} is not supported by the embedded server (l0_min.serve)")
+
+
+def parse_sampling_params(sp, where: str, context_length: int):
+    """JSON sampling_params -> (engine SamplingParams, n). Raises RequestError naming the field."""
+    from l0_min.engine import TOP_K_ALL, SamplingParams
+
+    if sp is None:
+        sp = {}
+    if not isinstance(sp, dict):
+        raise RequestError(f"{where}: expected an object, got {type(sp).__name__}", schema=True)
+    unknown = sorted(set(sp) - SAMPLING_FIELDS - set(UNSUPPORTED_SAMPLING))
+    if unknown:
+        raise RequestError(f"{where}.{unknown[0]}: unknown sampling parameter (known: {', '.join(sorted(SAMPLING_FIELDS))})", schema=True)
+    _check_unsupported(sp, UNSUPPORTED_SAMPLING, f"{where}.")
+
+    def get(key, default, check, kind):
+        value = sp.get(key)
+        if value is None:
+            return default
+        if not check(value):
+            raise RequestError(f"{where}.{key}: expected {kind}, got {value!r}", schema=True)
+        return value
+
+    p = SamplingParams(
+        # SGLang: 128 when absent; null means no limit but the context length
+        max_new_tokens=get("max_new_tokens", 128 if "max_new_tokens" not in sp else context_length, _is_int, "an integer"),
+        temperature=float(get("temperature", 1.0, _is_number, "a number")),
+        top_p=float(get("top_p", 1.0, _is_number, "a number")),
+        top_k=get("top_k", -1, _is_int, "an integer"),
+        min_p=float(get("min_p", 0.0, _is_number, "a number")),
+        ignore_eos=get("ignore_eos", False, lambda v: isinstance(v, bool), "a boolean"),
+        skip_special_tokens=get("skip_special_tokens", True, lambda v: isinstance(v, bool), "a boolean"),
+        no_stop_trim=get("no_stop_trim", False, lambda v: isinstance(v, bool), "a boolean"),
+    )
+    get("spaces_between_special_tokens", True, lambda v: isinstance(v, bool), "a boolean")
+    stop = get("stop", [], lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)), "a string or a list of strings")
+    p.stop = [stop] if isinstance(stop, str) else [s for s in stop if s]
+    p.stop_token_ids = list(get("stop_token_ids", [], lambda v: isinstance(v, list) and all(_is_int(t) for t in v), "a list of integers"))
+    n = get("n", 1, _is_int, "an integer")
+
+    # value checks, SGLang's wording (SamplingParams.verify)
+    if not math.isfinite(p.temperature) or p.temperature < 0.0:
+        raise RequestError(f"{where}.temperature must be a non-negative finite number, got {p.temperature}.")
+    if not 0.0 < p.top_p <= 1.0:
+        raise RequestError(f"{where}.top_p must be in (0, 1], got {p.top_p}.")
+    if not 0.0 <= p.min_p <= 1.0:
+        raise RequestError(f"{where}.min_p must be in [0, 1], got {p.min_p}.")
+    if p.top_k == -1:
+        p.top_k = TOP_K_ALL
+    if p.top_k < 1:
+        raise RequestError(f"{where}.top_k must be -1 (disable) or at least 1, got {p.top_k}.")
+    if p.max_new_tokens < 0:
+        raise RequestError(f"{where}.max_new_tokens must be at least 0, got {p.max_new_tokens}.")
+    if n < 1:
+        raise RequestError(f"{where}.n must be at least 1, got {n}.")
+    return p, n
+
+
+def parse_generate(body, tokenizer, context_length: int = 1 << 30) -> tuple[list, bool]:
+    """A /generate body -> ([(prompt ids, SamplingParams, rid)], single). Prompts are expanded n times
+    in SGLang's order (prompt-major: p0 s0, p0 s1, ..., p1 s0, ...)."""
+    if not isinstance(body, dict):
+        raise RequestError(f"request body: expected a JSON object, got {type(body).__name__}", schema=True)
+    known = GENERATE_FIELDS | IGNORED_FIELDS | set(UNSUPPORTED_FIELDS)
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise RequestError(f"{unknown[0]}: unknown field (this server reads: {', '.join(sorted(GENERATE_FIELDS))})", schema=True)
+    _check_unsupported(body, UNSUPPORTED_FIELDS, "")
+    for key in ("return_logprob", "return_text_in_logprobs"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise RequestError(f"{key}: expected a boolean, got {body[key]!r}", schema=True)
+
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise RequestError("Either text or input_ids should be provided (exactly one of them).")
+    if ids is not None:
+        if not isinstance(ids, list) or not ids:
+            raise RequestError("input_ids cannot be empty." if ids == [] else f"input_ids: expected a list of token ids, got {type(ids).__name__}", schema=ids != [])
+        single = not isinstance(ids[0], list)
+        prompts = [ids] if single else ids
+        for i, p in enumerate(prompts):
+            where = "input_ids" if single else f"input_ids[{i}]"
+            if not isinstance(p, list) or not all(_is_int(t) for t in p):
+                raise RequestError(f"{where}: expected a list of integers", schema=True)
+            if not p:
+                raise RequestError(f"{where} cannot be empty.")
+    else:
+        single = isinstance(text, str)
+        texts = [text] if single else text
+        if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts) or not texts:
+            raise RequestError("text: expected a string or a non-empty list of strings", schema=True)
+        prompts = [tokenizer.encode(t) for t in texts]
+
+    sp = body.get("sampling_params")
+    if isinstance(sp, list):
+        if single or len(sp) != len(prompts):
+            raise RequestError(f"sampling_params: a list must have one entry per prompt ({len(prompts)}), got {len(sp)}")
+        params = [parse_sampling_params(s, f"sampling_params[{i}]", context_length) for i, s in enumerate(sp)]
+    else:
+        params = [parse_sampling_params(sp, "sampling_params", context_length)] * len(prompts)
+    ns = {n for _, n in params}
+    if len(ns) > 1:
+        raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
+    n = ns.pop()
+
+    rid = body.get("rid")
+    total = len(prompts) * n
+    if rid is None:
+        rids = [uuid.uuid4().hex for _ in range(total)]
+    elif isinstance(rid, str):
+        rids = [rid] if total == 1 else [f"{rid}_{i}" for i in range(total)]
+    elif isinstance(rid, list) and all(isinstance(r, str) for r in rid) and len(rid) == len(prompts):
+        rids = [r if n == 1 else f"{r}_{j}" for r in rid for j in range(n)]
+    else:
+        raise RequestError("rid: expected a string or one string per prompt", schema=True)
+    items = [(prompts[i], params[i][0]) for i in range(len(prompts)) for _ in range(n)]
+    return [(prompt, p, r) for (prompt, p), r in zip(items, rids)], single and n == 1
+
+
+def render(seq, rid: str, tokenizer, return_logprob: bool, text_in_logprobs: bool, started: float) -> dict:
+    """An engine Sequence -> SGLang's /generate response object."""
+    p = seq.params
+    finish = {k: v for k, v in seq.finish_reason.items() if k != "status_code"}
+    ids = seq.output_ids
+    matched = finish.get("matched")
+    if not p.no_stop_trim and finish.get("type") == "stop" and isinstance(matched, int) and ids:
+        text = tokenizer.decode(ids[:-1], skip_special_tokens=p.skip_special_tokens)
+    else:
+        text = tokenizer.decode(ids, skip_special_tokens=p.skip_special_tokens)
+        if not p.no_stop_trim and isinstance(matched, str) and matched in text:
+            text = text[: text.find(matched)]
+    meta = {
+        "id": rid,
+        "finish_reason": finish,
+        "prompt_tokens": len(seq.input_ids),
+        "weight_version": seq.weight_version,
+    }
+    if return_logprob:
+        texts = [tokenizer.decode([t]) for t in ids] if text_in_logprobs else [None] * len(ids)
+        meta["input_token_logprobs"] = []
+        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in zip(seq.logprobs, ids, texts)]
+    meta["completion_tokens"] = len(ids)
+    meta["cached_tokens"] = seq.cached_tokens
+    meta["e2e_latency"] = time.time() - started
+    return {"text": text, "output_ids": list(ids), "meta_info": meta}
+
+
+# ---------------------------------------------------------------------------------------------
+# the HTTP app
+
+
+class UpdateLock:
+    """Many requests at once, or one weight update alone (SGLang's model_update_lock). A waiting update
+    holds back new requests, so a steady stream of them cannot starve it."""
+
+    def __init__(self):
+        self._cond = asyncio.Condition()
+        self._readers = 0
+        self._writing = False
+        self._writers_waiting = 0
+
+    @contextlib.asynccontextmanager
+    async def reading(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._writing and not self._writers_waiting)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def writing(self):
+        async with self._cond:
+            self._writers_waiting += 1
+            try:
+                await self._cond.wait_for(lambda: not self._writing and self._readers == 0)
+            finally:
+                self._writers_waiting -= 1
+            self._writing = True
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+
+def error_body(message: str) -> dict:
+    """SGLang's /generate error (`_create_error_response`)."""
+    return {"error": {"message": message}}
+
+
+def schema_error_body(message: str, code: int = 400) -> dict:
+    """SGLang's (FastAPI) validation / HTTPException error (`ErrorResponse`)."""
+    from http import HTTPStatus
+
+    return {"object": "error", "message": message, "type": HTTPStatus(code).phrase, "param": None, "code": code}
+
+
+def make_app(engine, model_path: str, tokenizer_path: str):
+    from l0_min.engine import Sequence
+
+    tokenizer = engine.tokenizer
+    state = {"model_path": model_path, "tokenizer_path": tokenizer_path, "lock": UpdateLock(), "closing": False}
+
+    def bad(e: RequestError):
+        body = schema_error_body(str(e)) if e.schema else error_body(str(e))
+        return web.json_response(body, status=400)
+
+    @web.middleware
+    async def never_crash(request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("unhandled error in %s %s", request.method, request.path)
+            return web.json_response(schema_error_body(f"internal server error: {e!r}", 500), status=500)
+
+    async def run(seqs: list) -> list:
+        """Submit to the engine and wait; aborts them if the client goes away (handler cancelled)."""
+        loop = asyncio.get_running_loop()
+        futures = []
+        for seq in seqs:
+            fut = loop.create_future()
+            seq.on_done = lambda s, fut=fut: loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(s))
+            futures.append(fut)
+        for seq in seqs:
+            engine.submit(seq)
+        try:
+            return await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for seq in seqs:
+                engine.abort(seq.rid)
+            raise
+
+    async def generate(request):
+        started = time.time()
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return web.json_response(schema_error_body(f"request body is not valid JSON: {e}"), status=400)
+        try:
+            items, single = parse_generate(body, tokenizer, engine.context_length)
+            seqs = [Sequence(rid=uuid.uuid4().hex, input_ids=list(ids), params=p) for ids, p, _ in items]
+            for seq in seqs:
+                engine.validate(seq)
+        except RequestError as e:
+            return bad(e)
+        except ValueError as e:
+            return web.json_response(error_body(str(e)), status=400)
+        if state["closing"]:
+            return web.json_response(schema_error_body("server is shutting down", 503), status=503)
+        async with state["lock"].reading():
+            done = await run(seqs)
+        outs = []
+        for seq, (_, _, rid) in zip(done, items):
+            code = seq.finish_reason.get("status_code")
+            if seq.finish_reason["type"] == "abort" and code in (500, 503):
+                return web.json_response(schema_error_body(seq.finish_reason["message"], code), status=code)
+            outs.append(render(seq, rid, tokenizer, bool(body.get("return_logprob")), bool(body.get("return_text_in_logprobs")), started))
+        return web.json_response(outs[0] if single else outs)
+
+    async def health(request):
+        ok = engine.alive and not state["closing"]
+        return web.Response(status=200 if ok else 503)
+
+    async def health_generate(request):
+        if not engine.alive or state["closing"]:
+            return web.Response(status=503)
+        from l0_min.engine import SamplingParams
+
+        seq = Sequence(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0], params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            (seq,) = await asyncio.wait_for(run([seq]), timeout=20)
+        except asyncio.TimeoutError:
+            return web.Response(status=503)
+        return web.Response(status=200 if seq.finish_reason["type"] != "abort" else 503)
+
+    async def get_model_info(request):
+        return web.json_response({
+            "model_path": state["model_path"],
+            "tokenizer_path": state["tokenizer_path"],
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": engine.weight_version,
+        })
+
+    async def get_weight_version(request):
+        return web.json_response({"weight_version": engine.weight_version})
+
+    async def flush_cache(request):
+        ok = await asyncio.wrap_future(engine.call(engine.flush_cache))
+        text = ("Cache flushed.\nPlease check backend logs for more details. "
+                "(When there are running or waiting requests, the operation will not be performed.)\n")
+        return web.Response(text=text, status=200 if ok else 400)
+
+    update_fields = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
+                     "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"}
+
+    async def update_weights_from_disk(request):
+        try:
+            body = await request.json()
+        except ValueError as e:
+            return web.json_response(schema_error_body(f"request body is not valid JSON: {e}"), status=400)
+        if not isinstance(body, dict):
+            return web.json_response(schema_error_body("request body: expected a JSON object"), status=400)
+        unknown = sorted(set(body) - update_fields)
+        problems = [f"{unknown[0]}: unknown field"] if unknown else []
+        path, version = body.get("model_path"), body.get("weight_version")
+        if not isinstance(path, str) or not path:
+            problems.append(f"model_path: expected a non-empty string, got {path!r}")
+        if version is not None and not isinstance(version, str):
+            problems.append(f"weight_version: expected a string, got {version!r}")
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            problems.append(f"load_format={body['load_format']!r} is not supported (auto, safetensors)")
+        if problems:
+            return web.json_response(schema_error_body("; ".join(problems)), status=400)
+        if body.get("abort_all_requests"):
+            engine.abort_all()
+        async with state["lock"].writing():
+            try:
+                await asyncio.wrap_future(engine.call(lambda: engine.load_weights(path, version)))
+            except Exception as e:  # any reason the folder cannot be loaded: SGLang's success=false answer
+                content = {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
+                return web.json_response(content, status=400)
+        state["model_path"] = path
+        message = "Succeeded to update model weights."
+        if version is not None:
+            message += f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+
+    app = web.Application(middlewares=[never_crash], client_max_size=256 * 1024 * 1024)
+    app.router.add_route("POST", "/generate", generate)
+    app.router.add_route("PUT", "/generate", generate)
+    app.router.add_get("/health", health)
+    app.router.add_get("/health_generate", health_generate)
+    app.router.add_get("/get_model_info", get_model_info)
+    app.router.add_get("/get_weight_version", get_weight_version)
+    app.router.add_route("GET", "/flush_cache", flush_cache)
+    app.router.add_route("POST", "/flush_cache", flush_cache)
+    app.router.add_post("/update_weights_from_disk", update_weights_from_disk)
+    app[STATE] = state
+    return app
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m l0_min.serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="an HF folder, or smollm2-135m, or tiny-random")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed in the ready line)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--max-running-requests", type=int, default=128)
+    ap.add_argument("--max-total-tokens", type=int, default=1 << 18, help="sum of prompt + max_new_tokens admitted at once")
+    ap.add_argument("--prefill-chunk", type=int, default=2048, help="prompt tokens prefilled per engine step")
+    ap.add_argument("--prefix-cache-tokens", type=int, default=1 << 16, help="tokens of finished sequences kept for reuse (0: off)")
+    ap.add_argument("--logprob-mode", default="original", choices=["original", "temperature"])
+    ap.add_argument("--weight-version", default="default")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--parent-pid", type=int, default=0, help="exit when this process is gone")
+    ap.add_argument("--log-level", default="info")
+    return ap.parse_args(argv)
+
+
+async def _serve(args) -> None:
+    from l0_min.models import resolve_model
+
+    t0 = time.time()
+    path = resolve_model(args.model)  # before the slow imports: a wrong path fails at once
+
+    import torch
+
+    from l0_min.engine import Engine
+    from l0_min.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model, tokenizer = load_model(path, dtype=args.dtype)
+    engine = Engine(
+        model,
+        tokenizer,
+        max_running=args.max_running_requests,
+        max_total_tokens=args.max_total_tokens,
+        prefill_chunk=args.prefill_chunk,
+        prefix_cache_tokens=args.prefix_cache_tokens,
+        logprob_mode=args.logprob_mode,
+        weight_version=args.weight_version,
+    ).start()
+    log.info("loaded %s (%s) in %.1fs, %d torch threads", args.model, path, time.time() - t0, torch.get_num_threads())
+    app = make_app(engine, str(path), str(path))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None if args.log_level != "debug" else log)
+    await runner.setup()
+    site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    print(f"l0_min.serve ready at http://{args.host}:{port}", flush=True)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    async def watch_parent():
+        while args.parent_pid and os.getppid() == args.parent_pid:
+            await asyncio.sleep(1.0)
+        if args.parent_pid:
+            log.warning("parent process %d is gone, shutting down", args.parent_pid)
+            stop.set()
+
+    watcher = asyncio.create_task(watch_parent())
+    await stop.wait()
+    watcher.cancel()
+    app[STATE]["closing"] = True
+    engine.stop()
+    await runner.cleanup()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    asyncio.run(_serve(args))
+
+
+# ---------------------------------------------------------------------------------------------
+# starting it from another process
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+def start_server_process(model: str, port: int = 0, extra_args=(), *, host: str = "127.0.0.1",
+                         timeout: float = 300.0, log_path: str | Path | None = None):
+    """Start `python -m l0_min.serve` in a subprocess and wait until /health answers 200.
+
+    Returns (Popen, url). The server's stdout and stderr go to `log_path` (a temp file by default,
+    `proc.log_path`); if it exits or is not ready within `timeout` seconds, ServerStartError carries the
+    tail of that log. The server exits on its own when this process is gone.
+    """
+    if log_path is None:
+        fd, log_path = tempfile.mkstemp(prefix="l0_min_serve_", suffix=".log")
+        os.close(fd)
+    log_path = Path(log_path)
+    root = str(Path(__file__).resolve().parent.parent)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    cmd = [sys.executable, "-m", "l0_min.serve", "--model", str(model), "--host", host, "--port", str(port),
+           "--parent-pid", str(os.getpid()), *[str(a) for a in extra_args]]
+    with open(log_path, "wb") as logf:
+        # its own session: a Ctrl-C meant for train.py must not kill the server mid-step (it exits with
+        # its parent through --parent-pid)
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    proc.log_path = log_path
+
+    def tail(n: int = 40) -> str:
+        lines = log_path.read_text(errors="replace").splitlines()
+        return "\n".join(lines[-n:])
+
+    deadline = time.time() + timeout
+    url = None
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise ServerStartError(f"embedded server ({' '.join(cmd)}) exited with code {proc.returncode} before it was ready; "
+                                   f"last lines of {log_path}:\n{tail()}")
+        if url is None:
+            m = READY_RE.search(log_path.read_text(errors="replace"))
+            url = m.group(1) if m else None
+        if url is not None:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return proc, url
+            except OSError:
+                pass
+        time.sleep(0.2)
+    stop_server_process(proc)
+    raise ServerStartError(f"embedded server ({' '.join(cmd)}) not ready after {timeout:.0f}s; last lines of {log_path}:\n{tail()}")
+
+
+def stop_server_process(proc, timeout: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+if __name__ == "__main__":
+    main()
