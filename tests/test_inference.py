@@ -1,0 +1,332 @@
+"""InferenceClient: its requests and its reading of responses against SGLang fixtures, retries, routing,
+weight updates; then the same client against the embedded server over real HTTP."""
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from l0_min.config import InferenceConfig
+from l0_min.inference import BadRequestError, Generation, InferenceClient, InferenceError, parse_generation
+
+FIXTURES = Path(__file__).parent / "fixtures" / "sglang"
+FAST = InferenceConfig(timeout=10.0, max_retries=3, backoff=0.01, down_after=0.3)
+
+
+def fixture(name):
+    return json.loads((FIXTURES / name).read_text())
+
+
+@contextlib.asynccontextmanager
+async def fake_sglang(routes):
+    """An aiohttp server on a free port; routes: {(method, path): async handler(request, log)}.
+    Yields (url, log) where log lists (path, json body or None) of every request received."""
+    received = []
+
+    def wrap(handler):
+        async def h(request):
+            body = await request.json() if request.can_read_body else None
+            received.append((request.path, body))
+            return await handler(request, received)
+
+        return h
+
+    app = web.Application()
+    for (method, path), handler in routes.items():
+        app.router.add_route(method, path, wrap(handler))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", received
+    finally:
+        await runner.cleanup()
+
+
+def answer(body, status=200):
+    async def handler(request, log):
+        return web.json_response(body, status=status)
+
+    return handler
+
+
+def dead_url():
+    """A URL nothing listens on."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return f"http://127.0.0.1:{port}"
+
+
+# ---------------------------------------------------------------------------------------------
+# contract: requests the client sends, responses it reads
+
+
+async def test_generate_request_matches_sglang_schema_and_fixture():
+    schema = fixture("schema.json")
+    expected = fixture("generate_request.json")
+    async with fake_sglang({("POST", "/generate"): answer(fixture("generate_response.json"))}) as (url, log):
+        async with InferenceClient([url], FAST) as client:
+            sampling = {k: v for k, v in expected["sampling_params"].items() if k not in ("no_stop_trim", "skip_special_tokens")}
+            await client.generate(expected["input_ids"], sampling)
+    (path, sent), = log
+    assert path == "/generate"
+    assert set(sent) <= set(schema["GenerateReqInput"])
+    assert set(sent["sampling_params"]) <= set(schema["SamplingParams"])
+    assert sent == expected  # input_ids, return_logprob, no_stop_trim and skip_special_tokens=False
+
+
+def test_parse_generation_reads_sglang_responses():
+    g = parse_generation(fixture("generate_response.json"))
+    assert g.output_ids == [19556, 17, 1073, 416, 339, 724, 47, 2]
+    assert g.logprobs == [-0.8912, -0.0131, -1.2044, -0.0457, -0.0022, -0.1570, -0.6631, -0.0009]
+    assert (g.finish_reason, g.matched_stop, g.weight_version, g.prompt_tokens) == ("stop", 2, "default", 20)
+    assert g.text.endswith("<|im_end|>")
+    assert g.meta_info["num_retractions"] == 0  # keys of newer versions are kept, not required
+
+    g = parse_generation(fixture("generate_response_stop_str.json"))
+    assert (g.finish_reason, g.matched_stop, g.weight_version) == ("stop", "</code>", "3")
+    assert g.logprobs[0] == -2.31 and len(g.output_ids) == 10
+
+    g = parse_generation(fixture("generate_response_length.json"))
+    assert (g.finish_reason, g.matched_stop, len(g.output_ids)) == ("length", None, 8)
+
+
+def test_parse_generation_without_output_ids_uses_logprob_ids():
+    body = fixture("generate_response.json")
+    del body["output_ids"]  # SGLang before 0.4.7 sent no output_ids in text mode
+    assert parse_generation(body).output_ids == [19556, 17, 1073, 416, 339, 724, 47, 2]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda b: b.pop("meta_info"), "meta_info"),
+        (lambda b: b["meta_info"].pop("output_token_logprobs"), "output_token_logprobs"),
+        (lambda b: b["meta_info"]["output_token_logprobs"].pop(), "disagree"),
+        (lambda b: b["meta_info"].update(finish_reason={"type": "exploded"}), "finish_reason.type"),
+        (lambda b: b["meta_info"].update(output_token_logprobs=[[-1.0]] * 8), "output_token_logprobs"),
+    ],
+)
+def test_parse_generation_rejects_malformed_responses(mutate, message):
+    body = fixture("generate_response.json")
+    mutate(body)
+    with pytest.raises(InferenceError, match=message):
+        parse_generation(body)
+
+
+async def test_generate_rejects_bad_arguments_before_sending():
+    client = InferenceClient(["http://127.0.0.1:1"], FAST)
+    with pytest.raises(ValueError, match="input_ids"):
+        await client.generate([], {})
+    with pytest.raises(ValueError, match="input_ids"):
+        await client.generate("hello", {})
+    with pytest.raises(ValueError, match="sampling"):
+        await client.generate([1, 2], None)
+    await client.close()
+
+
+def test_client_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="inference.urls"):
+        InferenceClient([])
+    with pytest.raises(ValueError, match="inference.urls"):
+        InferenceClient(["localhost:30000"])
+    with pytest.raises(ValueError, match="max_connections"):
+        InferenceClient(["http://a:1"], max_connections=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# failures: retries, bad requests, unreachable servers, routing
+
+
+async def test_retries_503_and_5xx_then_succeeds():
+    calls = []
+
+    async def flaky(request, log):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            return web.Response(status=503)
+        if len(calls) == 2:
+            return web.json_response({"object": "error", "message": "boom", "code": 500}, status=500)
+        return web.json_response(fixture("generate_response.json"))
+
+    async with fake_sglang({("POST", "/generate"): flaky}) as (url, _):
+        async with InferenceClient([url], FAST) as client:
+            g = await client.generate([1, 2, 3], {"max_new_tokens": 8})
+    assert len(calls) == 3 and g.finish_reason == "stop"
+    assert calls[2] - calls[1] >= calls[1] - calls[0]  # backoff grows
+
+
+async def test_gives_up_after_max_retries_on_5xx():
+    async with fake_sglang({("POST", "/generate"): answer({"message": "overloaded"}, status=503)}) as (url, log):
+        async with InferenceClient([url], FAST) as client:
+            with pytest.raises(InferenceError, match="after 4 attempts.*503.*overloaded"):
+                await client.generate([1], {})
+    assert len(log) == FAST.max_retries + 1
+
+
+@pytest.mark.parametrize("body", ["error_generate_400.json", "error_validation_400.json"])
+async def test_400_is_a_bad_request_not_retried(body):
+    err = fixture(body)
+    async with fake_sglang({("POST", "/generate"): answer(err, status=400)}) as (url, log):
+        async with InferenceClient([url], FAST) as client:
+            with pytest.raises(BadRequestError, match="HTTP 400") as e:
+                await client.generate([1], {})
+    assert len(log) == 1
+    message = err["error"]["message"] if "error" in err else err["message"]
+    assert message in str(e.value)
+
+
+async def test_unreachable_server_raises_after_down_after():
+    cfg = InferenceConfig(timeout=5.0, max_retries=1, backoff=0.02, down_after=0.5)
+    t0 = time.monotonic()
+    async with InferenceClient([dead_url()], cfg) as client:
+        with pytest.raises(InferenceError, match="failed after .* attempts"):
+            await client.generate([1], {})
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 5.0  # kept retrying past max_retries until down for down_after, then stopped
+
+
+async def test_routes_around_a_dead_server():
+    async with fake_sglang({("POST", "/generate"): answer(fixture("generate_response.json"))}) as (url, log):
+        async with InferenceClient([dead_url(), url], FAST) as client:
+            gens = await asyncio.gather(*(client.generate([1, 2], {}) for _ in range(6)))
+    assert all(isinstance(g, Generation) for g in gens) and len(log) == 6
+
+
+async def test_least_outstanding_requests_routing():
+    async def slow(request, log):
+        await asyncio.sleep(0.3)
+        return web.json_response(fixture("generate_response.json"))
+
+    async with fake_sglang({("POST", "/generate"): slow}) as (url_a, log_a), \
+            fake_sglang({("POST", "/generate"): slow}) as (url_b, log_b):
+        async with InferenceClient([url_a, url_b], FAST) as client:
+            await asyncio.gather(*(client.generate([1], {}) for _ in range(10)))
+    assert (len(log_a), len(log_b)) == (5, 5)  # ten at once: split evenly
+
+    release = asyncio.Event()
+    first = []
+
+    async def first_one_waits(request, log):
+        if not first:
+            first.append(1)
+            await release.wait()
+        return web.json_response(fixture("generate_response.json"))
+
+    async with fake_sglang({("POST", "/generate"): first_one_waits}) as (url_a, log_a), \
+            fake_sglang({("POST", "/generate"): first_one_waits}) as (url_b, log_b):
+        async with InferenceClient([url_a, url_b], FAST) as client:
+            busy = asyncio.ensure_future(client.generate([1], {}))  # held by whichever server got it
+            while not first:
+                await asyncio.sleep(0.01)
+            for _ in range(4):  # one at a time: each goes to the server with nothing in flight
+                await client.generate([1], {})
+            release.set()
+            await busy
+    assert sorted([len(log_a), len(log_b)]) == [1, 4]
+
+
+# ---------------------------------------------------------------------------------------------
+# weight updates, health, model info, flush_cache
+
+
+async def test_update_weights_sends_sglang_request_to_every_server():
+    schema = fixture("schema.json")
+    ok = fixture("update_weights_from_disk_response_ok.json")
+    routes = {("POST", "/update_weights_from_disk"): answer(ok)}
+    async with fake_sglang(routes) as (url_a, log_a), fake_sglang(routes) as (url_b, log_b):
+        async with InferenceClient([url_a, url_b], FAST) as client:
+            await client.update_weights_from_disk("/runs/demo/weights/step_3", "3")
+    for log in (log_a, log_b):
+        (path, sent), = log
+        assert path == "/update_weights_from_disk"
+        assert set(sent) <= set(schema["UpdateWeightFromDiskReqInput"])
+        assert sent == fixture("update_weights_from_disk_request.json")
+
+
+async def test_update_weights_raises_when_a_server_reports_failure():
+    failed = fixture("update_weights_from_disk_response_failed.json")
+    ok = fixture("update_weights_from_disk_response_ok.json")
+    async with fake_sglang({("POST", "/update_weights_from_disk"): answer(ok)}) as (url_a, _), \
+            fake_sglang({("POST", "/update_weights_from_disk"): answer(failed, status=400)}) as (url_b, _):
+        async with InferenceClient([url_a, url_b], FAST) as client:
+            with pytest.raises(InferenceError, match=f"{url_b}.*repository not found"):
+                await client.update_weights_from_disk("/runs/demo/weights/step_3", "3")
+    # success=false with HTTP 200 is a failure too
+    async with fake_sglang({("POST", "/update_weights_from_disk"): answer(failed)}) as (url, _):
+        async with InferenceClient([url], FAST) as client:
+            with pytest.raises(InferenceError, match="failed"):
+                await client.update_weights_from_disk("/x", "1")
+
+
+async def test_flush_cache_retries_while_400():
+    calls = []
+
+    async def busy_then_ok(request, log):
+        calls.append(1)
+        return web.Response(text="Cache flushed.\n", status=400 if len(calls) < 3 else 200)
+
+    async with fake_sglang({("POST", "/flush_cache"): busy_then_ok}) as (url, _):
+        async with InferenceClient([url], FAST) as client:
+            await client.flush_cache()
+    assert len(calls) == 3
+
+    async with fake_sglang({("POST", "/flush_cache"): answer({}, status=400)}) as (url, _):
+        async with InferenceClient([url], FAST) as client:
+            with pytest.raises(InferenceError, match="flush_cache still refused"):
+                await client.flush_cache(max_wait=0.3)
+
+
+async def test_health_and_model_info():
+    info = fixture("get_model_info_response.json")
+
+    async def ok(request, log):
+        return web.Response(status=200)
+
+    routes = {("GET", "/health"): ok, ("GET", "/get_model_info"): answer(info)}
+    async with fake_sglang(routes) as (url, _):
+        async with InferenceClient([url], FAST) as client:
+            assert await client.health() is True
+            assert await client.get_model_info() == info
+        async with InferenceClient([url, dead_url()], FAST) as client:
+            assert await client.health() is False  # every server must be healthy
+
+
+# ---------------------------------------------------------------------------------------------
+# the same client against the embedded server (real HTTP)
+
+
+async def test_client_against_embedded_server(tiny_server_url):
+    async with InferenceClient([tiny_server_url], FAST) as client:
+        assert await client.health()
+        info = await client.get_model_info()
+        assert info["is_generation"] is True and info["model_path"].endswith("tiny-random")
+        prompt = list(b"<|im_start|>user\nhello<|im_end|>\n")
+        prompt = [b + 3 for b in prompt]  # tiny-random's byte tokenizer: id = byte + 3
+        g = await client.generate(prompt, {"max_new_tokens": 12, "temperature": 0.0})
+        assert len(g.output_ids) == len(g.logprobs) == 12
+        assert g.finish_reason == "length" and g.prompt_tokens == len(prompt)
+        assert g.weight_version == "default" and all(lp <= 0.0 for lp in g.logprobs)
+        again = await client.generate(prompt, {"max_new_tokens": 12, "temperature": 0.0})
+        assert again.output_ids == g.output_ids  # greedy is deterministic
+
+        # stop at a token id: the stop token is returned (no_stop_trim) and reported
+        stop_id = g.output_ids[4]
+        first = g.output_ids.index(stop_id)
+        s = await client.generate(prompt, {"max_new_tokens": 12, "temperature": 0.0, "stop_token_ids": [stop_id]})
+        assert s.output_ids == g.output_ids[: first + 1]
+        assert (s.finish_reason, s.matched_stop) == ("stop", stop_id)
+
+        # a bad sampling parameter comes back as BadRequestError naming it
+        with pytest.raises(BadRequestError, match="sampling_params.top_p"):
+            await client.generate(prompt, {"top_p": 0.0})
+        await client.flush_cache()
