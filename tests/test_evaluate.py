@@ -1,0 +1,587 @@
+"""evaluate.py and l0_min.evaluation: summary math, the results file, resuming after a kill, and whole
+runs against a scripted SGLang-compatible policy server that answers from the gold answers (or never).
+
+The scripted server decodes each request with the tiny-random byte tokenizer (id = byte + 3, eos 1),
+recognises which prompt it is (agent step, direct question, judge grading) and answers deterministically,
+so whole evaluation runs have exact expected numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import doctest
+import itertools
+import json
+import os
+import re
+import signal
+import string
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+import evaluate
+from l0_min import evaluation
+from l0_min.episode import Task
+from l0_min.evaluation import (
+    EvalError,
+    ResultsFile,
+    check_run_info,
+    make_record,
+    markdown_table,
+    paper_table,
+    pass_at_k,
+    read_results,
+    summarize,
+)
+from l0_min.rewards import exact_match, f1_score
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED = ROOT.parent / "shared" / "data" / "benchmarks"
+EOS = 1
+
+
+def enc(text: str) -> list[int]:
+    return [b + 3 for b in text.encode()]
+
+
+def dec(ids) -> str:
+    return bytes(i - 3 for i in ids if 3 <= i < 259).decode(errors="replace")
+
+
+# ---------------------------------------------------------------------------------------------
+# the scripted policy / judge server
+
+
+class ScriptedServer:
+    """SGLang's /generate and /health in a background thread.
+
+    policy(question) -> "gold" | "wrong" | "silent" decides what the agent / direct answer is:
+      agent step: `<think>..</think><code>print(web_search(q)); submit_final_answer(gold)</code>`
+                  ("wrong" submits "nobody", "silent" only prints and never submits);
+      direct:     the gold answer, "nobody", or nothing (EOS at once);
+      judge:      "A" if the predicted answer matches the gold by EM, else "B".
+    """
+
+    def __init__(self):
+        self.answers: dict[str, list[str]] = {}
+        self.policy = lambda q: "gold"
+        self.delay = 0.0
+        self.calls: Counter = Counter()  # question -> agent / direct requests
+        self.judge_calls = 0
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        self.thread = threading.Thread(target=self._run, args=(started,), daemon=True)
+        self.thread.start()
+        started.wait(10)
+
+    def _run(self, started):
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/generate", self._generate)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        started.set()
+        self.loop.run_forever()
+
+    def stop(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def use(self, tasks, policy=lambda q: "gold", delay=0.0):
+        self.answers = {t.question: t.answers for t in tasks}
+        self.policy, self.delay = policy, delay
+        self.calls.clear()
+        self.judge_calls = 0
+
+    def reply(self, prompt: str) -> tuple[str, bool]:
+        """(text, ends with EOS)."""
+        if "Gold answer: " in prompt:
+            self.judge_calls += 1
+            gold = re.search(r"Gold answer: (.*)\n", prompt).group(1).split(" | ")
+            predicted = re.search(r"Predicted answer: (.*)\n", prompt).group(1)
+            return ("A" if exact_match(predicted, gold) else "B"), True
+        m = re.search(r"Task: (.*)\nYou have \d+ steps", prompt)
+        if m:  # an agent step
+            q = m.group(1)
+            self.calls[q] += 1
+            what = self.policy(q)
+            search = f"print(web_search({json.dumps(q)}, k=2))\n"
+            if what == "silent":
+                return f"<think>I will keep looking and not answer.</think>\n<code>{search}</code>", False
+            answer = self.answers[q][0] if what == "gold" else "nobody"
+            return f"<think>I know the answer to this one.</think>\n<code>{search}submit_final_answer({json.dumps(answer)})</code>", False
+        m = re.search(re.escape(evaluate.DIRECT_SYSTEM) + r".*?<\|im_start\|>user\n(.*?)<\|im_end\|>", prompt, re.S)
+        if m:  # a direct question
+            q = m.group(1)
+            self.calls[q] += 1
+            what = self.policy(q)
+            return {"gold": self.answers[q][0], "wrong": "nobody", "silent": ""}[what], True
+        raise AssertionError(f"scripted server: unknown prompt {prompt[-300:]!r}")
+
+    async def _health(self, request):
+        return web.Response(text="ok")
+
+    async def _generate(self, request):
+        body = await request.json()
+        text, eos = self.reply(dec(body["input_ids"]))
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        ids = enc(text) + ([EOS] if eos else [])
+        ids = ids[: body["sampling_params"]["max_new_tokens"]]
+        finish = {"type": "stop", "matched": EOS if eos else "</code>"}
+        return web.json_response({"text": text, "output_ids": ids, "meta_info": {
+            "finish_reason": finish, "weight_version": "scripted", "prompt_tokens": len(body["input_ids"]),
+            "output_token_logprobs": [[-0.1, i, None] for i in ids]}})
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ScriptedServer()
+    yield s
+    s.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# a small HotpotQA-layout file with its paragraphs (closed corpus), and a Bamboogle-layout CSV
+
+HOTPOT = [
+    ("h1", "Were Scott Derrickson and Ed Wood of the same nationality?", "yes",
+     [["Ed Wood", ["Edward Davis Wood Jr. was an American filmmaker."]],
+      ["Scott Derrickson", ["Scott Derrickson is an American director."]]]),
+    ("h2", "Which band recorded Abbey Road?", "The Beatles",
+     [["Abbey Road", ["Abbey Road is the eleventh studio album by the English rock band the Beatles."]]]),
+    ("h3", "Which country uses the abbreviation U.S.?", "U.S.",
+     [["United States", ["The United States (U.S.) is a country in North America."]]]),
+    ("h4", "How many metres is a kilometre?", "1,000",
+     [["Kilometre", ["A kilometre is a unit of length equal to 1,000 metres."]]]),
+    ("h5", "Who wrote Hamlet?", "William Shakespeare",
+     [["Hamlet", ["Hamlet is a tragedy written by William Shakespeare."]]]),
+    ("h6", "What is the capital of France?", "Paris",
+     [["Paris", ["Paris is the capital and largest city of France."]]]),
+]
+
+
+def hotpot_file(tmp_path: Path) -> Path:
+    rows = [{"_id": i, "question": q, "answer": a, "type": "bridge", "level": "easy", "supporting_facts": [],
+             "context": ctx} for i, q, a, ctx in HOTPOT]
+    path = tmp_path / "hotpot_mini.json"
+    path.write_text(json.dumps(rows))
+    return path
+
+
+def tasks_of(path) -> list[Task]:
+    from l0_min.data import load_file
+
+    return list(load_file(path))
+
+
+def cli(*args, out, model="tiny-random", url=None, extra=()):
+    """evaluate.main in-process (the tokenizer and tiny model load in this process once)."""
+    argv = [*args, "--model", model, "--out", str(out), "kernel.pool_size=2", *extra]
+    if url:
+        argv += ["--inference-url", url]
+    return evaluate.main(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# pure summary math
+
+
+def test_docstring_examples():
+    assert doctest.testmod(evaluation).failed == 0
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    # brute force: the share of k-subsets of n samples (c correct) that hold a correct one
+    for n in range(1, 7):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations([1] * c + [0] * (n - c), k))
+                assert pass_at_k(n, c, k) == pytest.approx(sum(any(s) for s in subsets) / len(subsets), abs=1e-12)
+    assert pass_at_k(3, 1, 3) == 1.0 and pass_at_k(3, 0, 3) == 0.0  # k = n: any correct
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+def rec(qid, sample, em, f1=None, answered=True, grade=None, steps=2, status="answered"):
+    return {"id": qid, "sample": sample, "em": em, "f1": em if f1 is None else f1, "answered": answered,
+            "grade": grade, "steps": steps, "status": status}
+
+
+def test_summarize_averages_samples_then_questions():
+    records = [
+        rec("a", 0, 1.0, grade="correct"), rec("a", 1, 0.0, f1=0.5, grade="incorrect"),
+        rec("a", 2, 0.0, f1=0.0, answered=False, grade="not_attempted", steps=4, status="max_steps"),
+        rec("b", 0, 0.0, f1=0.25, grade="incorrect"), rec("b", 1, 0.0, f1=0.25, grade="incorrect"),
+        rec("b", 2, 0.0, f1=0.25, grade="correct"),  # the judge may accept what EM does not
+    ]
+    m = summarize(records, k=3, judged=True)
+    assert (m["questions"], m["samples"], m["k"], m["incomplete_questions"]) == (2, 6, 3, 0)
+    assert m["em"] == pytest.approx((1 / 3 + 0) / 2, abs=1e-15)
+    assert m["f1"] == pytest.approx((1.5 / 3 + 0.75 / 3) / 2, abs=1e-15)  # 0.375
+    assert m["pass_at_k"] == 0.5  # a has a correct sample, b none (by EM)
+    assert m["answered"] == pytest.approx((2 / 3 + 1) / 2, abs=1e-15) and m["not_attempted"] == pytest.approx(1 / 6, abs=1e-15)
+    assert m["steps"] == pytest.approx((8 / 3 + 2) / 2, abs=1e-15)
+    assert m["status"] == {"answered": 5, "max_steps": 1}
+    j = m["judge"]
+    assert (j["accuracy"], j["incorrect"], j["not_attempted"]) == pytest.approx((1 / 3, 1 / 2, 1 / 6), abs=1e-15)
+    assert j["accuracy_given_attempted"] == pytest.approx((1 / 3) / (1 / 3 + 1 / 2), abs=1e-15)  # 0.4
+    assert j["f_score"] == pytest.approx(2 * 0.4 * (1 / 3) / (0.4 + 1 / 3), abs=1e-12)
+    assert j["pass_at_k"] == 1.0  # both questions have a sample the judge calls correct
+
+
+def test_summarize_one_sample_matches_simpleqa_metrics():
+    from l0_min.rewards import simpleqa_metrics
+
+    grades = ["correct", "correct", "incorrect", "not_attempted", "incorrect"]
+    m = summarize([rec(str(i), 0, 0.0, grade=g) for i, g in enumerate(grades)], k=1, judged=True)["judge"]
+    s = simpleqa_metrics(grades)
+    assert (m["accuracy"], m["incorrect"], m["not_attempted"]) == pytest.approx((s.correct, s.incorrect, s.not_attempted), abs=1e-15)
+    assert m["accuracy_given_attempted"] == pytest.approx(s.accuracy_given_attempted, abs=1e-15)
+    assert m["f_score"] == pytest.approx(s.f_score, abs=1e-15)
+
+
+def test_summarize_edge_cases():
+    m = summarize([rec("a", 0, 1.0), rec("b", 0, 0.0)], k=2)  # fewer samples than k so far
+    assert m["incomplete_questions"] == 2 and m["pass_at_k"] == 0.5 and "judge" not in m
+    assert summarize([rec("a", 0, 1.0, steps=None)], k=1)["steps"] is None  # direct mode
+    with pytest.raises(ValueError, match="no grade"):
+        summarize([rec("a", 0, 1.0)], k=1, judged=True)
+    with pytest.raises(ValueError, match="no records"):
+        summarize([], k=1)
+
+
+def test_make_record_scores_against_every_alias():
+    t = Task("q", "Who?", ["Barack Obama", "Obama"])
+    r = make_record(t, 2, "president Obama", "answered", steps=3, seconds=1.23456)
+    assert (r["id"], r["sample"], r["em"], r["answered"], r["steps"], r["seconds"]) == ("q", 2, 0.0, True, 3, 1.235)
+    assert r["f1"] == pytest.approx(2 / 3, abs=1e-15)  # best alias "Obama": precision 1/2, recall 1
+    r = make_record(t, 0, None, "max_steps")
+    assert (r["em"], r["f1"], r["answered"], r["prediction"]) == (0.0, 0.0, False, None)
+    with pytest.raises(ValueError, match="grade"):
+        make_record(t, 0, "x", "answered", grade="A")
+
+
+def summary_row(bench, em, judge=None, model="m", mode="agent", k=1):
+    m = {"questions": 10, "k": k, "em": em, "f1": em + 0.1, "pass_at_k": em, "answered": 0.9, "steps": 3.0}
+    if judge is not None:
+        m["judge"] = {"accuracy": judge, "accuracy_given_attempted": 0.5, "f_score": 0.4, "not_attempted": 0.2}
+    return {"model": model, "mode": mode, "bench": bench, "metrics": m, "wall_s": 61.0}
+
+
+def test_markdown_table_columns_and_judge_columns():
+    plain = markdown_table([summary_row("hotpotqa", 0.25)]).splitlines()
+    assert plain[0] == "| model | mode | bench | n | EM | F1 | pass@1 | answered | steps | wall |"
+    assert plain[2] == "| m | agent | hotpotqa | 10 | 25.0 | 35.0 | 25.0 | 90.0 | 3.00 | 61 s |"
+    judged = markdown_table([summary_row("simpleqa", 0.0, judge=0.125), summary_row("hotpotqa", 0.25, k=4)]).splitlines()
+    assert judged[0] == ("| model | mode | bench | n | EM | F1 | judge acc | acc|attempted | judge F | not attempted "
+                         "| pass@k | answered | steps | wall |")  # several k: the header stays generic
+    assert judged[2].split(" | ")[6:10] == ["12.5", "50.0", "40.0", "20.0"]
+    assert judged[3].split(" | ")[6:10] == ["-", "-", "-", "-"]  # not judged
+
+
+def test_paper_table_follows_the_papers_column_order():
+    rows = [summary_row("nq", 0.3), summary_row("bamboogle", 0.2), summary_row("simpleqa", 0.05, judge=0.1),
+            summary_row("hotpotqa", 0.4), summary_row("musique", 0.1), summary_row("hotpotqa", 0.5, mode="direct")]
+    lines = paper_table(rows).splitlines()
+    assert lines[0] == ("| model | mode | SimpleQA acc / F1 | HotpotQA EM / F1 | MuSiQue EM / F1 | Bamboogle EM / F1 "
+                        "| NQ EM / F1 |")
+    assert lines[2] == "| m | agent | 10.0 / 15.0 | 40.0 / 50.0 | 10.0 / 20.0 | 20.0 / 30.0 | 30.0 / 40.0 |"
+    assert lines[3] == "| m | direct | - | 50.0 / 60.0 | - | - | - |"
+
+
+# ---------------------------------------------------------------------------------------------
+# the results file
+
+
+def test_results_file_appends_resumes_and_drops_a_torn_line(tmp_path):
+    path = tmp_path / "results.jsonl"
+    t = Task("q1", "Q?", ["A"])
+    with ResultsFile(path) as f:
+        assert f.done == set() and f.resumed == 0
+        f.append(make_record(t, 0, "A", "answered"))
+        f.append(make_record(t, 1, None, "env_error"))  # not the model's doing: retried on resume
+        assert f.done == {("q1", 0)}
+        # the line is on disk at once (flushed), before the file is closed
+        assert [r["sample"] for r in read_results(path)[0]] == [0, 1]
+    with open(path, "ab") as fh:  # a write cut short by a kill
+        fh.write(b'{"id": "q1", "sample": 2, "pred')
+    records, good = read_results(path)
+    assert len(records) == 2 and good < path.stat().st_size
+    with ResultsFile(path) as f:
+        assert f.done == {("q1", 0)} and f.resumed == 1
+        assert path.stat().st_size == good  # the torn tail is gone, so the next line starts clean
+        f.append(make_record(t, 1, "A", "answered"))
+    records, _ = read_results(path)
+    assert [(r["sample"], r["status"]) for r in records] == [(0, "answered"), (1, "env_error"), (1, "answered")]
+    assert evaluation.latest(records)[("q1", 1)]["status"] == "answered"
+
+
+def test_results_file_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"id": "a", "sample": 0}\nnot json\n{"id": "b", "sample": 0}\n')
+    with pytest.raises(EvalError, match=r"results.jsonl:2: not a JSON record"):
+        read_results(path)
+    path.write_text('{"id": "a", "sample": 0}\n{"id": 3, "sample": 0}\n{"id": "b", "sample": 0}\n')
+    with pytest.raises(EvalError, match=r"results.jsonl:2: a record needs a string 'id'"):
+        read_results(path)
+    path.write_text('{"id": "a", "sample": 0}\n{"id": "b", "sa\n')  # a bad *last* line: a torn write
+    assert [r["id"] for r in read_results(path)[0]] == ["a"]
+
+
+def test_results_file_is_locked_against_a_second_writer(tmp_path):
+    with ResultsFile(tmp_path / "results.jsonl"):
+        with pytest.raises(EvalError, match="in use by another evaluate.py"):
+            ResultsFile(tmp_path / "results.jsonl")
+    ResultsFile(tmp_path / "results.jsonl").close()  # released on close
+
+
+def test_run_info_must_match_to_resume(tmp_path):
+    info = {"bench": "hotpotqa", "mode": "agent", "model": "a"}
+    check_run_info(tmp_path / "run.json", info)
+    check_run_info(tmp_path / "run.json", dict(info))  # same: fine
+    with pytest.raises(EvalError, match=r"model: 'a' before, 'b' now.*another --out"):
+        check_run_info(tmp_path / "run.json", info | {"model": "b"})
+
+
+# ---------------------------------------------------------------------------------------------
+# EM / F1 against the official HotpotQA evaluation (hotpot_evaluate_v1.py), transcribed here
+
+
+def _official_normalize(s):
+    def remove_articles(text):
+        return re.sub(r"\b(a|an|the)\b", " ", text)
+
+    def remove_punc(text):
+        return "".join(ch for ch in text if ch not in set(string.punctuation))
+
+    return " ".join(remove_articles(remove_punc(s.lower())).split())
+
+
+def _official_f1(prediction, ground_truth):
+    p, g = _official_normalize(prediction), _official_normalize(ground_truth)
+    if p in ["yes", "no", "noanswer"] and p != g:
+        return 0.0
+    if g in ["yes", "no", "noanswer"] and p != g:
+        return 0.0
+    pt, gt = p.split(), g.split()
+    same = sum((Counter(pt) & Counter(gt)).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(pt), same / len(gt)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _official_em(prediction, ground_truth):
+    return float(_official_normalize(prediction) == _official_normalize(ground_truth))
+
+
+OFFICIAL_CASES = [
+    ("yes", "yes"), ("Yes.", "yes"), ("no", "yes"), ("yes", "no"), ("yes indeed", "yes"), ("yes", "yes it is"),
+    ("no", "no way"), ("noanswer", "no answer"), ("maybe no", "no way"), ("No!", "no"),
+    ("The Beatles", "Beatles"), ("the the beatles", "Beatles"), ("An Apple a day", "apple day"),
+    ("theatre", "the atre"), ("A-ha", "aha"), ("the-end", "theend"), ("a.k.a.", "aka"),
+    ("U.S.", "US"), ("U.S.A", "usa"), ("1,000", "1000"), ("$5.00", "500"), ("3-4 km", "34 km"),
+    ("12", "12 km"), ("July 4, 1776", "4 July 1776"), ("Barack Obama", "Obama"), ("president Barack Obama", "Barack Obama"),
+    ("cat cat cat", "cat"), ("cat", "cat cat dog"), ("w x y z", "y z q"), ("a b c d", "c d e"),
+    ("  Chief   of Protocol ", "Chief of Protocol"), ("chief-of-protocol", "Chief of Protocol"),
+    ("O'Neil", "oneil"), ("Rock 'n' Roll", "rock n roll"), ("(1990)", "1990"), ("1990s", "1990"),
+    ("Paris, France", "Paris"), ("new york city", "New York"), ("#1", "1"), ("50%", "50"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", OFFICIAL_CASES)
+def test_em_f1_agree_with_the_official_hotpotqa_evaluation(pred, gold):
+    assert exact_match(pred, [gold]) == _official_em(pred, gold)
+    assert f1_score(pred, [gold]) == pytest.approx(_official_f1(pred, gold), abs=1e-15)
+    # best over aliases = the max of the official per-gold scores (SQuAD's metric_max_over_ground_truths)
+    golds = [gold, "zzz unrelated", "Beatles"]
+    assert f1_score(pred, golds) == pytest.approx(max(_official_f1(pred, g) for g in golds), abs=1e-15)
+    assert exact_match(pred, golds) == max(_official_em(pred, g) for g in golds)
+
+
+def test_em_f1_deliberate_differences_from_the_official_script():
+    # a blank prediction matches nothing (officially "" == "" and "." == "" count as exact matches)
+    assert _official_em("", "") == 1.0 and exact_match("", [""]) == 0.0
+    # a gold of only punctuation / articles ("A+" in NQ) must be matched as written, not by any "!!"
+    assert _official_em("!!", "A+") == 1.0 and exact_match("!!", ["A+"]) == 0.0 and exact_match("a+", ["A+"]) == 1.0
+    # Unicode: non-ASCII punctuation goes too, accents stay, full-width forms fold
+    assert _official_em("«Tokyo»", "Tokyo") == 0.0 and exact_match("«Tokyo»", ["Tokyo"]) == 1.0
+    assert exact_match("Ｔｏｋｙｏ", ["Tokyo"]) == 1.0 and exact_match("cafe", ["Café"]) == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# whole runs against the scripted server
+
+
+def results_of(out: Path) -> list[dict]:
+    return read_results(out / "results.jsonl")[0]
+
+
+def test_agent_answering_from_gold_scores_em_1_on_a_closed_corpus(server, tmp_path):
+    data = hotpot_file(tmp_path)
+    server.use(tasks_of(data))
+    out = tmp_path / "gold"
+    s = cli("--bench", "hotpotqa", "--data", str(data), "--limit", "4", "--judge-url", "self", out=out, url=server.url)
+    m = s["metrics"]
+    assert (m["questions"], m["em"], m["f1"], m["pass_at_k"], m["answered"], m["steps"]) == (4, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert m["judge"]["accuracy"] == 1.0 and m["judge"]["not_attempted"] == 0.0 and server.judge_calls == 4
+    # the index holds all 6 questions' paragraphs (7 of them), not only the 4 evaluated
+    assert s["search"] == "closed corpus: bm25 over the 7 paragraphs of the file's 6 questions"
+    recs = results_of(out)
+    assert sorted(r["id"] for r in recs) == ["h1", "h2", "h3", "h4"]
+    assert {r["prediction"] for r in recs} == {"yes", "The Beatles", "U.S.", "1,000"}
+    assert all(r["status"] == "answered" and r["grade"] == "correct" for r in recs)
+    # the agent really searched the closed corpus from its sandbox
+    eps = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    beatles = next(e for e in eps if e["task"]["id"] == "h2")
+    assert "Abbey Road (ref: p-" in beatles["steps"][0]["observation"]
+    assert (out / "viewer.html").is_file() and (out / "config.yaml").is_file()
+    table = (out / "summary.md").read_text()
+    assert "| tiny-random | agent | hotpotqa | 4 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 0.0 | 100.0 | 100.0 | 1.00 |" in table
+
+
+def test_agent_that_never_answers_scores_0_and_is_not_attempted(server, tmp_path):
+    data = tmp_path / "bamboogle.csv"
+    data.write_text("Question,Answer\nWho wrote Hamlet?,William Shakespeare\nWhat is the capital of France?,Paris\n")
+    server.use(tasks_of(data), policy=lambda q: "silent")
+    out = tmp_path / "silent"
+    s = cli("--bench", "bamboogle", "--data", str(data), "--judge-url", "self", out=out, url=server.url,
+            extra=["agent.max_steps=2"])
+    m = s["metrics"]
+    assert (m["em"], m["f1"], m["pass_at_k"], m["answered"], m["not_attempted"]) == (0.0, 0.0, 0.0, 0.0, 1.0)
+    assert m["judge"] == {"accuracy": 0.0, "incorrect": 0.0, "not_attempted": 1.0, "accuracy_given_attempted": 0.0,
+                          "f_score": 0.0, "pass_at_k": 0.0}
+    assert m["status"] == {"max_steps": 2} and m["steps"] == 2.0 and server.judge_calls == 0
+    # Bamboogle carries no paragraphs: no search backend, and the summary says so
+    assert s["search"] == "none" and any("answers from its own knowledge" in n for n in s["notes"])
+    eps = [json.loads(line) for line in (out / "trajectories.jsonl").read_text().splitlines()]
+    assert "no search backend is configured" in eps[0]["steps"][0]["observation"]
+
+
+def test_direct_mode_and_resume_with_more_questions_and_samples(server, tmp_path):
+    data = hotpot_file(tmp_path)
+    tasks = tasks_of(data)
+    verdict = {t.question: ["gold", "wrong", "silent"][i % 3] for i, t in enumerate(tasks)}
+    server.use(tasks, policy=verdict.get)
+    out = tmp_path / "direct"
+    s = cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", "--limit", "3", out=out, url=server.url)
+    assert (s["metrics"]["em"], s["metrics"]["answered"], s["metrics"]["steps"]) == (pytest.approx(1 / 3), pytest.approx(2 / 3), None)
+    assert sum(server.calls.values()) == 3
+    # more questions and a second sample: only the missing (question, sample) pairs run
+    server.calls.clear()
+    s = cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", "--n-samples", "2", out=out, url=server.url)
+    assert sum(server.calls.values()) == 6 * 2 - 3 and s["resumed_samples"] == 3
+    m = s["metrics"]
+    assert (m["questions"], m["samples"], m["k"]) == (6, 12, 2)
+    assert (m["em"], m["pass_at_k"], m["answered"]) == (pytest.approx(1 / 3), pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert any("temperature 0" in n for n in s["notes"])
+    # a different model into the same folder is refused before anything runs
+    with pytest.raises(EvalError, match="different evaluation"):
+        cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", out=out, url=server.url, model="smollm2-135m")
+
+
+def test_killed_run_resumes_to_the_uninterrupted_summary(server, tmp_path):
+    data = hotpot_file(tmp_path)
+    tasks = tasks_of(data)
+    verdict = {t.question: ["gold", "wrong", "silent"][i % 3] for i, t in enumerate(tasks)}
+    server.use(tasks, policy=verdict.get, delay=0.3)
+    tasks = tasks[:5]
+    args = ["--bench", "hotpotqa", "--data", str(data), "--limit", "5", "--concurrency", "2", "agent.max_steps=2"]
+
+    # 1. evaluate.py as its own process, killed (SIGKILL: no clean-up at all) after two finished questions
+    out = tmp_path / "killed"
+    cmd = [sys.executable, str(ROOT / "evaluate.py"), *args, "--model", "tiny-random", "--out", str(out),
+           "--inference-url", server.url, "kernel.pool_size=2"]
+    log = open(tmp_path / "killed.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            if (out / "results.jsonl").exists() and len((out / "results.jsonl").read_text().splitlines()) >= 2:
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, f"evaluate.py ended before it could be killed:\n{(tmp_path / 'killed.log').read_text()[-3000:]}"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+        log.close()
+    before = {r["id"] for r in results_of(out)}
+    assert 2 <= len(before) < len(tasks) and not (out / "summary.json").exists()
+
+    # 2. the rerun runs only the questions that had not finished
+    server.calls.clear()
+    resumed = cli(*args, out=out, url=server.url)
+    assert not any(server.calls[t.question] for t in tasks if t.id in before)
+    assert all(server.calls[t.question] for t in tasks if t.id not in before)
+    assert resumed["resumed_samples"] == len(before)
+    assert sorted(r["id"] for r in results_of(out)) == sorted(t.id for t in tasks)  # each exactly once
+
+    # 3. the same numbers as a run that was never interrupted
+    server.delay = 0.0
+    fresh = cli(*args, out=tmp_path / "fresh", url=server.url)
+    assert resumed["metrics"] == fresh["metrics"]
+    assert fresh["metrics"]["em"] == pytest.approx(2 / 5) and fresh["metrics"]["answered"] == pytest.approx(4 / 5)
+    # 4. a finished folder reruns in a moment: nothing is generated, the summary is the same
+    server.calls.clear()
+    again = cli(*args, out=out, url=server.url)
+    assert sum(server.calls.values()) == 0 and again["metrics"] == resumed["metrics"] and again["resumed_samples"] == 5
+    strip = lambda rs: sorted(({k: v for k, v in r.items() if k != "seconds"} for r in rs), key=lambda r: r["id"])
+    assert strip(results_of(out)) == strip(results_of(tmp_path / "fresh"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the real benchmark files
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason=f"no shared benchmark data at {SHARED}")
+def test_gold_answers_score_em_1_on_every_shared_benchmark(server, tmp_path):
+    files = sorted(p for p in SHARED.glob("*/*") if p.is_file())
+    assert len(files) >= 6
+    for path in files:
+        bench = path.parent.name
+        from l0_min.data import load_benchmark
+
+        tasks = list(load_benchmark(bench, path=str(path), limit=5))
+        server.use(tasks)
+        s = cli("--bench", bench, "--data", str(path), "--mode", "direct", "--limit", "5", out=tmp_path / bench, url=server.url)
+        assert (s["metrics"]["questions"], s["metrics"]["em"], s["metrics"]["f1"]) == (5, 1.0, 1.0), bench
+        server.use(tasks, policy=lambda q: "silent")
+        s = cli("--bench", bench, "--data", str(path), "--mode", "direct", "--limit", "5", out=tmp_path / f"{bench}-0",
+                url=server.url)
+        assert (s["metrics"]["em"], s["metrics"]["answered"]) == (0.0, 0.0), bench
+
+
+def test_table_of_finished_runs(server, tmp_path, capsys):
+    data = hotpot_file(tmp_path)
+    server.use(tasks_of(data))
+    cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", "--limit", "2", out=tmp_path / "runs" / "a", url=server.url)
+    capsys.readouterr()
+    evaluate.main(["--table", str(tmp_path / "runs")])
+    out = capsys.readouterr().out
+    assert "| model | mode | HotpotQA EM / F1 |\n| --- | --- | ---: |\n| tiny-random | direct | 100.0 / 100.0 |" in out
+
+
+def test_cli_errors_are_clear(tmp_path):
+    data = hotpot_file(tmp_path)
+    with pytest.raises(EvalError, match="no inference server answers /health at http://127.0.0.1:9"):
+        cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", out=tmp_path / "down", url="http://127.0.0.1:9")
+    with pytest.raises(EvalError, match="reward.judge=true needs the judge's server"):
+        cli("--bench", "hotpotqa", "--data", str(data), out=tmp_path / "nojudge", extra=["reward.judge=true"])
+    with pytest.raises(SystemExit):
+        evaluate.parse_args(["--mode", "agent"])  # no --bench
+    r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--bench", "nosuch", "--out", str(tmp_path / "x")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "unknown benchmark 'nosuch'" in r.stderr
