@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import weakref
 from dataclasses import dataclass
 
 from l0_min.config import Config
@@ -159,6 +160,21 @@ def sampling_params(cfg: Config, room: int) -> dict:
 # the episode
 
 
+_chat_formats: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> (template, ChatFormat)
+
+
+def _chat_format(tokenizer) -> ChatFormat:
+    """One ChatFormat per tokenizer and chat template (reading the template costs a few ms per episode)."""
+    template = getattr(tokenizer, "chat_template", None)
+    try:
+        cached = _chat_formats.get(tokenizer)
+    except TypeError:  # not weak-referenceable or not hashable: no cache
+        return ChatFormat(tokenizer)
+    if cached is None or cached[0] != template:
+        cached = _chat_formats[tokenizer] = (template, ChatFormat(tokenizer))
+    return cached[1]
+
+
 async def run_episode(task: Task, policy, kernel, tokenizer, cfg: Config, tool_server=None) -> Episode:
     """Run one NB-Agent episode on an acquired kernel; the caller acquires and releases it.
 
@@ -168,7 +184,7 @@ async def run_episode(task: Task, policy, kernel, tokenizer, cfg: Config, tool_s
     t0 = time.monotonic()
     ep = Episode(task=task)
     tool_server = tool_server if tool_server is not None else getattr(kernel, "tool_server", None)
-    ctx = ContextWatcher(ChatFormat(tokenizer), SYSTEM_PROMPT, task_prompt(task, cfg), cfg.agent, cfg.sampling.max_new_tokens)
+    ctx = ContextWatcher(_chat_format(tokenizer), SYSTEM_PROMPT, task_prompt(task, cfg), cfg.agent, cfg.sampling.max_new_tokens)
     try:
         ep.status = await _loop(ep, ctx, policy, kernel, tokenizer, cfg, tool_server, t0 + cfg.agent.max_wall_seconds)
     finally:
@@ -224,7 +240,7 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy, kernel, tokenizer, cfg
         if len(gen.logprobs) != len(gen.output_ids) or not gen.output_ids:
             ep.error = f"bad generation: {len(gen.output_ids)} ids, {len(gen.logprobs)} log-probs"
             return INFERENCE_ERROR
-        text = tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+        text = ctx.chat.decode(gen.output_ids)
         p = parse_action(text, gen.finish_reason, gen.matched_stop)
         step = Step(
             context_ids=context_ids,
@@ -287,12 +303,15 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy, kernel, tokenizer, cfg
 
 def _observation(ctx: ContextWatcher, action_ids: list[int], body: str, steps_left: int) -> tuple[str, list[int]]:
     """The observation text and its ids. The budget note counts the tokens left after the whole
-    observation, its own tokens included: written once to measure its length, then again."""
+    observation, its own tokens included: written with a guess, then with the count that guess gave,
+    until the count stays the same (twice, unless the number's length changed the token count)."""
     head = f"<output>\n{body}\n</output>\n"
-    used = len(ctx.ids) + len(action_ids) + len(ctx.chat.observation_ids(head, action_ids))
-    note_len = 0
-    for _ in range(2):
-        text = head + budget_note(steps_left, ctx.max_tokens - used - note_len, 2 * ctx.min_room)
+    before = len(ctx.ids) + len(action_ids)
+    left = ctx.max_tokens - before - len(head)  # a guess: about one token per character or fewer
+    for _ in range(4):
+        text = head + budget_note(steps_left, left, 2 * ctx.min_room)
         ids = ctx.chat.observation_ids(text, action_ids)
-        note_len = len(ctx.ids) + len(action_ids) + len(ids) - used
+        if ctx.max_tokens - before - len(ids) == left:
+            break
+        left = ctx.max_tokens - before - len(ids)
     return text, ids

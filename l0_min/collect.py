@@ -5,14 +5,18 @@
     await run_tasks(env, tasks, n_samples, on_episode=write)      # rollout.py / evaluate.py
 
 Failure handling (after the ROLL team's notes on agentic RL at scale):
-- environment failures (the sandbox did not start, the kernel died, a tool backend is down) are
-  retried up to `rollout.max_retries` times on a fresh kernel; after that the episode is kept as a
-  masked placeholder: zero training weight, counted in the metrics;
+- environment failures (the sandbox did not start, the kernel died, a search / page backend failed
+  or stalled during the episode) are retried up to `rollout.max_retries` times on a fresh kernel;
+  after that the episode is kept as a masked placeholder: zero training weight, counted in the
+  metrics (`Episode.masked`, `batch.stats["episodes_masked"]`);
 - episodes that run out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout)
   are dropped from the batch while the dropped fraction stays under rollout.max_dropped_frac;
   past the cap they are kept and trained as the failures they are;
 - inference failures pause the episode and retry it while the server comes back; a server that
-  stays unreachable for inference.down_after seconds ends the run with InferenceDown;
+  stays unreachable for inference.down_after seconds ends the run with InferenceDown (the
+  InferenceClient has already retried for up to down_after before an episode sees the failure).
+  An inference failure while the server answers /health (a refused request, an unusable
+  response) is retried like an environment failure, then masked, instead of looping forever;
 - dynamic sampling drops groups whose core reward (the answer reward) has no variance and keeps
   drawing tasks until the batch is full, with at most rollout.max_extra_groups extra groups; if the
   cap is reached, the batch is topped up with dropped groups so its size stays fixed.
@@ -23,6 +27,7 @@ does, and up to rollout.max_concurrency episodes are in flight at any time.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -34,6 +39,8 @@ from .config import Config, RolloutConfig
 from .episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode, Task
 from .inference import InferenceError
 from .rewards import score_episode
+
+log = logging.getLogger(__name__)
 
 
 class InferenceDown(RuntimeError):
@@ -50,7 +57,8 @@ class Env:
     tool_server: object
     tokenizer: object
     semaphore: asyncio.Semaphore | None = None
-    counters: dict = field(default_factory=lambda: {"env_retries": 0, "inference_pauses": 0})
+    counters: dict = field(default_factory=lambda: {"env_retries": 0, "inference_retries": 0, "inference_pauses": 0})
+    down_since: float | None = None  # when an episode first found the policy unreachable (shared deadline)
 
     def __post_init__(self):
         if self.semaphore is None:
@@ -62,10 +70,16 @@ async def _attempt(env: Env, task: Task) -> Episode:
     kernel = None
     try:
         kernel = await env.pool.acquire()
-        return await asyncio.wait_for(
+        ep = await asyncio.wait_for(
             run_episode(task, env.policy, kernel, env.tokenizer, env.cfg, env.tool_server),
             timeout=env.cfg.rollout.episode_timeout,
         )
+        backend_errors = getattr(env.tool_server, "backend_errors", None)
+        errors = backend_errors(kernel.id) if backend_errors is not None else []
+        if errors and ep.status not in (ENV_ERROR, INFERENCE_ERROR):
+            ep.status = ENV_ERROR
+            ep.error = f"{len(errors)} tool backend failure(s), the first: {errors[0]}"
+        return ep
     except asyncio.TimeoutError:
         return Episode(task, status=TIMEOUT, error=f"hard episode timeout of {env.cfg.rollout.episode_timeout:g} s")
     except InferenceError as e:
@@ -80,39 +94,64 @@ async def _attempt(env: Env, task: Task) -> Episode:
                 pass
 
 
-async def _wait_for_server(env: Env) -> None:
-    """Pause until the policy answers /health again, or raise InferenceDown after down_after s."""
-    env.counters["inference_pauses"] += 1
+async def _healthy(env: Env) -> bool:
     health = getattr(env.policy, "health", None)
-    deadline = time.monotonic() + env.cfg.inference.down_after
+    if health is None:  # a policy without /health (a test double) counts as up
+        return True
+    try:
+        return bool(await health())
+    except Exception:
+        return False
+
+
+async def _wait_for_server(env: Env) -> bool:
+    """After an inference failure: False if the policy answers /health at once (the request itself
+    failed), True once it answers again after an outage. Raises InferenceDown when the outage,
+    counted from the first episode that found it, has lasted inference.down_after seconds."""
+    if await _healthy(env):
+        env.down_since = None
+        return False
+    env.counters["inference_pauses"] += 1
     delay = env.cfg.inference.backoff
-    while time.monotonic() < deadline:
-        await asyncio.sleep(delay)
-        try:
-            if health is None or await health():
-                return
-        except Exception:
-            pass
+    while True:
+        if env.down_since is None:
+            env.down_since = time.monotonic()
+        left = env.down_since + env.cfg.inference.down_after - time.monotonic()
+        if left <= 0:
+            raise InferenceDown(f"inference server(s) unreachable for {env.cfg.inference.down_after:g} s "
+                                "(inference.down_after); stopping the run")  # fmt: skip
+        await asyncio.sleep(min(delay, left))
+        if await _healthy(env):
+            env.down_since = None
+            return True
         delay = min(delay * 2, 10.0)
-    raise InferenceDown(f"inference server(s) unreachable for {env.cfg.inference.down_after:g} s (inference.down_after); stopping the run")
 
 
 async def run_one(env: Env, task: Task, group: int = 0, sample: int = 0) -> Episode:
     """One scored episode, with environment retries and inference pauses (see module docstring)."""
+    retries = env.cfg.rollout.max_retries
     async with env.semaphore:
-        env_failures = 0
+        env_failures = inference_failures = 0
         while True:
             ep = await _attempt(env, task)
             if ep.status == INFERENCE_ERROR:
-                await _wait_for_server(env)  # raises InferenceDown when it stays down
-                continue
-            if ep.status == ENV_ERROR and env_failures < env.cfg.rollout.max_retries:
+                if await _wait_for_server(env):  # an outage that ended; raises InferenceDown if it does not
+                    continue
+                if inference_failures < retries:  # the server is up but this request failed
+                    inference_failures += 1
+                    env.counters["inference_retries"] += 1
+                    log.warning("episode of task %s: %s; retrying", task.id, ep.error)
+                    continue
+                break
+            if ep.status == ENV_ERROR and env_failures < retries:
                 env_failures += 1
                 env.counters["env_retries"] += 1
+                log.warning("episode of task %s: environment failure: %s; retrying on a fresh kernel", task.id, ep.error)
                 continue
             break
     ep.group, ep.sample = group, sample
-    ep.masked = ep.status == ENV_ERROR  # a placeholder after max_retries: zero weight, kept for stats
+    # a placeholder after max_retries: zero weight, kept for stats
+    ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)
     score_episode(ep, env.cfg.reward)
     return ep
 
@@ -141,8 +180,14 @@ async def run_tasks(
     try:
         return list(await asyncio.gather(*jobs))
     finally:
-        for j in jobs:
-            j.cancel()
+        await _cancel(jobs)
+
+
+async def _cancel(jobs) -> None:
+    """Cancel what still runs and wait until it has let go of its kernels."""
+    for j in jobs:
+        j.cancel()
+    await asyncio.gather(*jobs, return_exceptions=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -154,21 +199,19 @@ class TaskStream:
 
     >>> s = TaskStream([Task(str(i), "q", []) for i in range(3)], seed=0)
     >>> [s.next().id for _ in range(4)], s.position
-    (['2', '1', '0', '1'], 4)
+    (['0', '2', '1', '1'], 4)
     """
 
     def __init__(self, tasks: list[Task], seed: int = 0, position: int = 0):
         if not tasks:
             raise ValueError("the training task list is empty (data.train)")
-        self.tasks, self.seed, self.position = list(tasks), seed, 0
-        self._order: list[int] = []
-        for _ in range(position):
-            self.next()
+        self.tasks, self.seed, self.position = list(tasks), seed, position  # position may be set directly
+        self._epoch, self._order = -1, []
 
     def next(self) -> Task:
         epoch, i = divmod(self.position, len(self.tasks))
-        if i == 0 or not self._order:
-            self._order = list(range(len(self.tasks)))
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, list(range(len(self.tasks)))
             random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
         self.position += 1
         return self.tasks[self._order[i]]
@@ -194,7 +237,11 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
              "timeouts_kept": 0, "stragglers_cancelled": 0}  # fmt: skip
 
     async def group(gi: int, task: Task) -> list[Episode]:
-        return list(await asyncio.gather(*(run_one(env, task, gi, s) for s in range(rc.n_samples))))
+        jobs = [asyncio.ensure_future(run_one(env, task, gi, s)) for s in range(rc.n_samples)]
+        try:
+            return list(await asyncio.gather(*jobs))
+        finally:  # one sample raised (InferenceDown) or the group was cancelled: stop its siblings
+            await _cancel(jobs)
 
     kept: list[list[Episode]] = []
     dropped: list[list[Episode]] = []
@@ -213,6 +260,8 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
             for fut in done:
                 running.discard(fut)
                 eps = fut.result()  # InferenceDown propagates and ends the run
+                if len(kept) == rc.batch_size:  # finished together with the last group needed
+                    continue
                 # timeouts: dropped under the global cap, kept as failures past it
                 for ep in [e for e in eps if e.status == TIMEOUT]:
                     if stats["timeouts_dropped"] < max_dropped:
@@ -239,10 +288,7 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
                 launch()
     finally:
         stats["stragglers_cancelled"] = sum(1 for t in running if not t.done())
-        for t in running:
-            t.cancel()
-        if running:
-            await asyncio.gather(*running, return_exceptions=True)
+        await _cancel(running)
     while len(kept) < rc.batch_size and dropped:  # the extra-generation cap was reached
         kept.append(dropped.pop())
         stats["groups_topped_up"] += 1
@@ -250,6 +296,7 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
     for gi, eps in enumerate(kept):  # renumber groups 0..batch_size-1 for the advantage functions
         for e in eps:
             e.group = gi
+    stats["episodes_masked"] = sum(e.masked for e in episodes)
     stats.update({k: env.counters[k] - counters0.get(k, 0) for k in env.counters})
     stats["rollout_seconds"] = time.perf_counter() - t0
     stats["task_position"] = stream.position

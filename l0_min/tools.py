@@ -5,11 +5,13 @@
     path = server.open_episode(kernel.id)     # the kernel's sandbox binds this socket (and only it)
     ...                                       # in the kernel: web_search, read_page, submit_final_answer
     server.final_answer(kernel.id)            # recorded when the call arrived; None if none
+    server.backend_errors(kernel.id)          # search / page backend failures of the episode
     server.close_episode(kernel.id)
 
 The socket a request arrives on says which episode it belongs to: a request cannot name another
 episode, and printed text is never parsed for answers. Every backend call has a timeout, and a
-failure becomes an error reply, which the kernel raises as ToolError with the reason. The first
+failure becomes an error reply, which the kernel raises as ToolError with the reason, and is
+recorded in `backend_errors` (the collector treats such an episode as an environment failure). The first
 final answer of an episode counts; later ones are refused (the kernel prints that they were).
 Records of closed episodes are kept for the last `keep_closed` episodes.
 """
@@ -45,6 +47,7 @@ class ToolServer:
         self._by_path: dict[str, str] = {}  # socket path -> key
         self._answers: dict[str, str] = {}
         self._calls: dict[str, Counter] = {}
+        self._errors: dict[str, list[str]] = {}  # backend failures (timeouts, exceptions) per episode
         self._closed_keys: OrderedDict[str, None] = OrderedDict()  # closed episodes, oldest first
         self._pending: set[asyncio.Task] = set()
 
@@ -108,12 +111,17 @@ class ToolServer:
             old, _ = self._closed_keys.popitem(last=False)
             self._answers.pop(old, None)
             self._calls.pop(old, None)
+            self._errors.pop(old, None)
 
     def final_answer(self, key: str) -> str | None:
         return self._answers.get(key)
 
     def tool_calls(self, key: str) -> dict[str, int]:
         return dict(self._calls.get(key, {}))
+
+    def backend_errors(self, key: str) -> list[str]:
+        """What went wrong in this episode's backend calls (timeouts, failures; not bad arguments)."""
+        return list(self._errors.get(key, []))
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.ensure_future(coro)
@@ -148,11 +156,17 @@ class ToolServer:
             return _reply(False, str(e), 400)
         except asyncio.TimeoutError:
             log.warning("tool %s of episode %s timed out after %g s", tool, key, self.timeout)
-            return _reply(False, f"the {tool} backend did not answer within {self.timeout:g} s", 504)
+            return self._failed(key, f"the {tool} backend did not answer within {self.timeout:g} s", 504)
         except Exception as e:
             log.warning("tool %s of episode %s failed: %s: %s", tool, key, type(e).__name__, e)
-            return _reply(False, f"the {tool} backend failed: {type(e).__name__}: {e}", 502)
+            return self._failed(key, f"the {tool} backend failed: {type(e).__name__}: {e}", 502)
         return _reply(True, result)
+
+    def _failed(self, key: str, message: str, status: int) -> web.Response:
+        errors = self._errors.setdefault(key, [])
+        if len(errors) < 20:
+            errors.append(message)
+        return _reply(False, message, status)
 
     def _submit(self, key: str, args: dict) -> dict:
         answer = args.get("answer")

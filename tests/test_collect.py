@@ -1,0 +1,507 @@
+"""The rollout collector (l0_min.collect) under load and under faults.
+
+A scripted policy server (tests/scripted_policy.py) answers SGLang's /generate with fixed actions:
+search, then submit "42". Part 1 runs real sandboxed kernels and the real tool server: 32
+concurrent episodes, kernels killed from outside mid-cell, kernels that die every time, a search
+backend that errors or stalls. Part 2 runs the collector's own logic on in-process fake kernels
+(fast): the inference server stopped and restarted, or gone for good, refused requests, dynamic
+sampling, over-sampled groups, timeouts, run_tasks order, TaskStream.
+Every collector call runs under an asyncio timeout: nothing may hang.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import doctest
+import io
+import os
+import random
+import re
+import signal
+from types import SimpleNamespace
+
+import pytest
+import pytest_asyncio
+
+import l0_min.collect
+from l0_min.collect import Env, InferenceDown, TaskStream, collect_batch, run_tasks
+from l0_min.config import Config
+from l0_min.episode import ANSWERED, ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Task, training_rows
+from l0_min.inference import InferenceClient
+from l0_min.kernel import ExecResult
+from l0_min.models import tiny_tokenizer
+from l0_min.pool import KernelPool
+from l0_min.search import SearchError
+from l0_min.tools import ToolServer
+from tests.scripted_policy import ANSWER, SEARCH, ScriptedPolicyServer, default_script
+
+TOK = tiny_tokenizer()
+
+
+def act(think: str, code: str) -> str:
+    return f"<think>{think}</think><code>{code}</code>"
+
+
+def config(batch_size=2, n_samples=2, **rollout) -> Config:
+    cfg = Config()
+    cfg.agent.max_steps = 4
+    cfg.kernel.pool_size = 0
+    cfg.rollout.batch_size, cfg.rollout.n_samples = batch_size, n_samples
+    cfg.rollout.max_retries = 1
+    for k, v in rollout.items():
+        setattr(cfg.rollout, k, v)
+    cfg.inference.backoff, cfg.inference.max_retries, cfg.inference.down_after = 0.05, 3, 10.0
+    return cfg
+
+
+def tasks(*questions: str) -> list[Task]:
+    return [Task(q.replace(" ", "_"), q, ["42"]) for q in questions]
+
+
+class ListStream:
+    """The tasks in the given order (TaskStream's interface), so a test knows which group is which."""
+
+    def __init__(self, items: list[Task]):
+        self.items, self.position = items, 0
+
+    def next(self) -> Task:
+        self.position += 1
+        return self.items[(self.position - 1) % len(self.items)]
+
+
+class Tracked:
+    """A pool wrapper that counts kernels in use (and the peak), and can start kernels beforehand."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.in_use = self.peak = self.acquired = self.released = 0
+        self.ready: list = []
+        self.acquired_kernels: asyncio.Queue = asyncio.Queue()
+
+    async def prestart(self, n: int) -> None:
+        self.ready = list(await asyncio.gather(*(self.inner.acquire() for _ in range(n))))
+
+    async def acquire(self):
+        k = self.ready.pop() if self.ready else await self.inner.acquire()
+        self.acquired += 1
+        self.in_use += 1
+        self.peak = max(self.peak, self.in_use)
+        self.acquired_kernels.put_nowait(k)
+        return k
+
+    async def release(self, k) -> None:
+        self.in_use -= 1
+        self.released += 1
+        await self.inner.release(k)
+
+
+def groups_of(batch) -> dict[int, list]:
+    out: dict[int, list] = {}
+    for e in batch.episodes:
+        out.setdefault(e.group, []).append(e)
+    return out
+
+
+def assert_well_formed(batch, batch_size: int, n_samples: int) -> None:
+    """batch_size groups numbered 0..batch_size-1, each of n_samples episodes of one task."""
+    groups = groups_of(batch)
+    assert sorted(groups) == list(range(batch_size))
+    for eps in groups.values():
+        assert sorted(e.sample for e in eps) == list(range(n_samples))
+        assert len({e.task.id for e in eps}) == 1
+
+
+def answered_ok(e) -> bool:
+    return e.status == ANSWERED and e.final_answer == "42" and not e.masked and len(e.steps) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# part 1: real sandboxed kernels, the real tool server, the policy over HTTP
+
+real = pytest.mark.asyncio(loop_scope="module")
+
+
+class Backend:
+    """Search backend: "stall" never answers, "boom" fails while `failures_left` > 0."""
+
+    def __init__(self):
+        self.failures_left = 0
+
+    async def search(self, query: str, k: int) -> list[dict]:
+        if query == "stall":
+            await asyncio.sleep(3600)
+        if query == "boom" and self.failures_left > 0:
+            self.failures_left -= 1
+            raise SearchError("the search API answered HTTP 503")
+        return [{"id": "x", "title": "X", "text": "x marks the spot", "score": 1.0}]
+
+    async def read_page(self, ref: str) -> str:
+        return "X\n\nx marks the spot"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def stack():
+    cfg = config()
+    backend = Backend()
+    tools = ToolServer(backend, timeout=1.0)
+    await tools.start()
+    pool = KernelPool(cfg.sandbox, cfg.kernel, tools)
+    await pool.start()
+    yield SimpleNamespace(pool=pool, tools=tools, backend=backend)
+    await pool.close()
+    await tools.close()
+
+
+@contextlib.asynccontextmanager
+async def policy_over_http(script=None, delay=0.0, cfg=None):
+    server = ScriptedPolicyServer(script, delay)
+    url = await server.start()
+    client = InferenceClient([url], (cfg or config()).inference, max_connections=64)
+    try:
+        yield server, client
+    finally:
+        await client.close()
+        await server.stop()
+
+
+@real
+async def test_32_concurrent_episodes_complete_without_a_failure(stack):
+    cfg = config(batch_size=16, n_samples=2, max_concurrency=32)
+    async with policy_over_http(delay=0.05) as (server, client):
+        pool = Tracked(stack.pool)
+        await pool.prestart(32)  # started first, so all 32 episodes run at once
+        env = Env(cfg, client, pool, stack.tools, TOK)
+        stream = TaskStream(tasks(*(f"question {i}" for i in range(40))), seed=1)
+        batch = await asyncio.wait_for(collect_batch(env, stream, cfg.rollout, dynamic_sampling=False), 120)
+    assert_well_formed(batch, 16, 2)
+    assert all(answered_ok(e) for e in batch.episodes)
+    for e in batch.episodes:
+        assert e.steps[0].observation.startswith("<output>\n1\n</output>")  # one search hit, printed by the kernel
+        assert e.tool_calls == {"web_search": 1, "submit_final_answer": 1}
+        assert e.weight_version == "scripted" and e.rewards["answer"] == 1.0
+    assert pool.peak == 32 and pool.in_use == 0 and pool.acquired == pool.released == 32
+    assert server.requests == 64 and stream.position == 16
+    assert batch.stats["episodes_masked"] == batch.stats["env_retries"] == batch.stats["timeouts_dropped"] == 0
+    assert batch.stats["groups_launched"] == 16 and batch.stats["task_position"] == 16
+
+
+def slow_then_answer(question, step, count):
+    if step == 1:
+        return act("wait for it", "import time; time.sleep(3); print('woke')")
+    return ANSWER
+
+
+@real
+async def test_kernels_killed_mid_cell_are_retried_on_fresh_kernels(stack):
+    rng = random.Random(0)
+    victims = sorted(rng.sample(range(4), 3))  # 3 of the 4 first attempts, each at a random moment
+    cfg = config(batch_size=2, n_samples=2, max_retries=1)
+    killed = []
+
+    async def kill_later(k, delay):
+        await asyncio.sleep(delay)
+        assert k.is_alive()
+        os.kill(k.sandbox_pid, signal.SIGKILL)  # pid 1 of the sandbox: the kernel's whole namespace dies
+        killed.append(k)
+
+    async with policy_over_http(slow_then_answer) as (server, client):
+        pool = Tracked(stack.pool)
+        env = Env(cfg, client, pool, stack.tools, TOK)
+
+        async def killer():
+            for i in range(4):
+                k = await pool.acquired_kernels.get()
+                if i in victims:
+                    asyncio.ensure_future(kill_later(k, rng.uniform(0.5, 1.5)))
+
+        kill_task = asyncio.ensure_future(killer())
+        batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("slow a", "slow b")), cfg.rollout, False), 90)
+        await kill_task
+    assert len(killed) == 3 and not any(k.is_alive() for k in killed)
+    assert_well_formed(batch, 2, 2)
+    assert all(answered_ok(e) for e in batch.episodes)
+    assert all(e.steps[0].observation.startswith("<output>\nwoke\n") for e in batch.episodes)
+    assert batch.stats["env_retries"] == 3 and batch.stats["episodes_masked"] == 0
+    assert pool.acquired == pool.released == 7 and pool.in_use == 0
+
+
+def crash_or_answer(question, step, count):
+    if step == 1 and question.startswith("crash"):
+        return act("exit now", "import os; os._exit(1)")
+    return default_script(question, step, count)
+
+
+@real
+async def test_a_kernel_that_always_dies_becomes_a_masked_placeholder(stack):
+    cfg = config(batch_size=2, n_samples=2, max_retries=1)
+    async with policy_over_http(crash_or_answer) as (server, client):
+        pool = Tracked(stack.pool)
+        env = Env(cfg, client, pool, stack.tools, TOK)
+        batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("crash", "fine")), cfg.rollout, False), 90)
+    assert_well_formed(batch, 2, 2)
+    crashed = [e for e in batch.episodes if e.task.question == "crash"]
+    assert len(crashed) == 2 and all(e.status == ENV_ERROR and e.masked and "the kernel died" in e.error for e in crashed)
+    assert all(answered_ok(e) for e in batch.episodes if e.task.question == "fine")
+    assert batch.stats["env_retries"] == 2 and batch.stats["episodes_masked"] == 2  # 1 retry each, then masked
+    assert pool.acquired == pool.released == 6
+    rows = training_rows(batch.episodes, cfg.algo)
+    assert len(rows) == 4 and sum(sum(r.mask) == 0 for r in rows) == 2  # placeholders train with zero weight
+
+
+def search_for(question, step, count):
+    if step == 1:
+        return act("search first", f"r = web_search({question.split()[0]!r}); print(len(r))")
+    return ANSWER
+
+
+@real
+async def test_search_backend_errors_and_stalls_are_environment_failures(stack):
+    """`boom` fails twice (both first attempts; the retries work), `stall` never answers (masked)."""
+    stack.backend.failures_left = 2
+    cfg = config(batch_size=2, n_samples=2, max_retries=1)
+    async with policy_over_http(search_for) as (server, client):
+        pool = Tracked(stack.pool)
+        env = Env(cfg, client, pool, stack.tools, TOK)
+        batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("boom", "stall")), cfg.rollout, False), 90)
+    assert_well_formed(batch, 2, 2)
+    boom = [e for e in batch.episodes if e.task.question == "boom"]
+    stall = [e for e in batch.episodes if e.task.question == "stall"]
+    assert all(answered_ok(e) and e.steps[0].exec_ok for e in boom)
+    for e in stall:  # the agent answered, but its search never came back: not the policy's fault
+        assert e.status == ENV_ERROR and e.masked and "did not answer within 1 s" in e.error
+        assert "ToolError" in e.steps[0].observation
+    assert stack.backend.failures_left == 0
+    assert batch.stats["env_retries"] == 4 and batch.stats["episodes_masked"] == 2
+    assert pool.acquired == pool.released == 8
+
+
+# ---------------------------------------------------------------------------------------------
+# part 2: the collector's logic on in-process fake kernels
+
+
+class FakeTools:
+    """The host side of submit_final_answer for fake kernels."""
+
+    def __init__(self):
+        self.answers: dict[str, str] = {}
+
+    def final_answer(self, key):
+        return self.answers.get(key)
+
+    def tool_calls(self, key):
+        return {"submit_final_answer": 1} if key in self.answers else {}
+
+
+class FakeKernels:
+    """A pool of in-process kernels: cells are exec'd in a dict; `sleep(N)` sleeps without blocking."""
+
+    def __init__(self):
+        self.tools, self.n = FakeTools(), 0
+
+    async def acquire(self):
+        self.n += 1
+        return FakeKernel(self.tools, f"fake{self.n}")
+
+    async def release(self, kernel) -> None:
+        pass
+
+
+class FakeKernel:
+    def __init__(self, tools: FakeTools, id: str):
+        self.id, self.tools = id, tools
+        self.ns = {"web_search": lambda query, k=3: [], "submit_final_answer": self._submit}
+
+    def _submit(self, answer):
+        self.tools.answers.setdefault(self.id, str(answer))
+
+    async def execute(self, code: str, timeout: float = 30.0) -> ExecResult:
+        m = re.fullmatch(r"sleep\((\d+)\)", code)
+        if m:
+            await asyncio.sleep(min(int(m.group(1)), timeout))
+            return ExecResult(timed_out=int(m.group(1)) > timeout, duration=timeout)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            exec(code, self.ns)
+        return ExecResult(stdout=out.getvalue())
+
+
+def fake_env(cfg: Config, policy) -> Env:
+    pool = Tracked(FakeKernels())
+    return Env(cfg, policy, pool, pool.inner.tools, TOK)
+
+
+async def test_inference_server_stopped_and_restarted_mid_rollout():
+    cfg = config(batch_size=4, n_samples=2)
+    async with policy_over_http(delay=0.2) as (server, client):
+        env = fake_env(cfg, client)
+        rollout = asyncio.ensure_future(collect_batch(env, ListStream(tasks(*"abcd")), cfg.rollout, False))
+        while server.requests < 4 or not server.in_flight:  # some on their second step, others on the first
+            await asyncio.sleep(0.01)
+        dropped = server.in_flight
+        await server.stop()  # requests in flight are dropped
+        await asyncio.sleep(1.0)
+        assert not rollout.done()
+        await server.start()  # the same port
+        batch = await asyncio.wait_for(rollout, 30)
+    assert_well_formed(batch, 4, 2)
+    assert all(answered_ok(e) for e in batch.episodes)
+    assert dropped >= 1 and server.requests >= 16 and batch.stats["episodes_masked"] == 0
+    assert env.pool.in_use == 0
+
+
+async def test_inference_server_down_for_good_stops_with_inference_down():
+    cfg = config(batch_size=4, n_samples=2)
+    cfg.inference.down_after = 1.0
+    async with policy_over_http(delay=0.2, cfg=cfg) as (server, client):
+        env = fake_env(cfg, client)
+        rollout = asyncio.ensure_future(collect_batch(env, ListStream(tasks(*"abcd")), cfg.rollout, False))
+        while server.requests < 4:
+            await asyncio.sleep(0.01)
+        await server.stop()
+        with pytest.raises(InferenceDown, match=r"unreachable for 1 s \(inference.down_after\)"):
+            await asyncio.wait_for(rollout, 30)
+        assert env.pool.in_use == 0  # every episode has stopped and released its kernel
+        acquired = env.pool.acquired
+        await asyncio.sleep(0.3)
+    assert env.pool.in_use == 0 and env.pool.acquired == acquired  # and none goes on in the background
+    assert env.counters["inference_pauses"] >= 1
+
+
+def refuse(question, step, count):
+    return None if question == "refused" else default_script(question, step, count)
+
+
+async def test_refused_requests_are_retried_then_masked():
+    cfg = config(batch_size=2, n_samples=2, max_retries=2)
+    async with policy_over_http(refuse) as (server, client):
+        env = fake_env(cfg, client)
+        batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("refused", "fine")), cfg.rollout, False), 30)
+    assert_well_formed(batch, 2, 2)
+    refused = [e for e in batch.episodes if e.task.question == "refused"]
+    assert all(e.status == INFERENCE_ERROR and e.masked and "HTTP 400" in e.error for e in refused)
+    assert all(answered_ok(e) for e in batch.episodes if e.task.question == "fine")
+    assert batch.stats["inference_retries"] == 4 and batch.stats["episodes_masked"] == 2
+    assert server.counts["refused", 1] == 6  # 2 episodes x (1 + 2 retries), then it gives up
+
+
+def mixed_or_same(question, step, count):
+    """"mixed" groups alternate right / wrong answers (variance); the others always answer 42 (none)."""
+    if step == 1:
+        return SEARCH
+    return act("answer now", f"submit_final_answer({'42' if count % 2 == 0 or 'mixed' not in question else 'no'!r})")
+
+
+@pytest.mark.parametrize(
+    "order, max_extra, dynamic, kept, counts",
+    [
+        # the first group has no variance: dropped, one extra group replaces it
+        (["same 0", "mixed 1", "mixed 2"], 16, True, {"mixed_1", "mixed_2"},
+         dict(groups_launched=3, groups_dropped_ds=1, groups_topped_up=0)),
+        # the extra-group cap is reached: the batch is topped up with the last dropped group
+        (["same 0", "mixed 1", "same 2", "same 3", "mixed 4"], 2, True, {"mixed_1", "same_3"},
+         dict(groups_launched=4, groups_dropped_ds=3, groups_topped_up=1)),
+        # without dynamic sampling every group is kept
+        (["same 0", "mixed 1", "mixed 2"], 16, False, {"same_0", "mixed_1"},
+         dict(groups_launched=2, groups_dropped_ds=0, groups_topped_up=0)),
+    ],
+)  # fmt: skip
+async def test_dynamic_sampling_drops_groups_without_variance(order, max_extra, dynamic, kept, counts):
+    cfg = config(batch_size=2, n_samples=2, max_extra_groups=max_extra)
+    env = fake_env(cfg, ScriptedPolicyServer(mixed_or_same))
+    batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks(*order)), cfg.rollout, dynamic), 30)
+    assert_well_formed(batch, 2, 2)
+    assert {e.task.id for e in batch.episodes} == kept
+    assert {k: batch.stats[k] for k in counts} == counts
+    for eps in groups_of(batch).values():
+        if "mixed" in eps[0].task.id:
+            assert sorted(e.rewards["answer"] for e in eps) == [0.1, 1.0]  # right and wrong: a learning signal
+    assert env.pool.in_use == 0
+
+
+def slow_or_fast(question, step, count):
+    if step == 1 and question.startswith("slow"):
+        return act("take forever", "sleep(60)")
+    return default_script(question, step, count)
+
+
+async def test_over_sampled_groups_cancel_the_stragglers():
+    cfg = config(batch_size=2, n_samples=1, over_sample_groups=2)
+    env = fake_env(cfg, ScriptedPolicyServer(slow_or_fast))
+    stream = ListStream(tasks("fast 0", "slow 1", "fast 2", "slow 3"))
+    batch = await asyncio.wait_for(collect_batch(env, stream, cfg.rollout, dynamic_sampling=False), 10)
+    assert_well_formed(batch, 2, 1)
+    assert {e.task.id for e in batch.episodes} == {"fast_0", "fast_2"}
+    assert batch.stats["groups_launched"] == 4 and batch.stats["stragglers_cancelled"] == 2
+    assert env.pool.acquired == 4 and env.pool.in_use == 0  # the stragglers gave their kernels back
+
+
+def first_sample_sleeps(question, step, count):
+    if step == 1 and count == 0:
+        return act("take forever", "sleep(60)")
+    return default_script(question, step, count)
+
+
+@pytest.mark.parametrize("budget", ["agent.max_wall_seconds", "rollout.episode_timeout"])
+async def test_timeouts_are_dropped_up_to_the_cap_then_kept(budget):
+    """One episode of each of 3 groups times out; at most int(0.34 * 6) = 2 may be dropped."""
+    cfg = config(batch_size=3, n_samples=2, max_dropped_frac=0.34)
+    section, key = budget.split(".")
+    setattr(getattr(cfg, section), key, 1.0)
+    env = fake_env(cfg, ScriptedPolicyServer(first_sample_sleeps))
+    batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("a", "b", "c")), cfg.rollout, False), 30)
+    assert batch.stats["timeouts_dropped"] == 2 and batch.stats["timeouts_kept"] == 1
+    assert len(batch.episodes) == 4 and sorted(groups_of(batch)) == [0, 1, 2]
+    timeouts = [e for e in batch.episodes if e.status == TIMEOUT]
+    assert len(timeouts) == 1 and not timeouts[0].masked  # past the cap: trained as the failure it is
+    assert sum(answered_ok(e) for e in batch.episodes) == 3
+
+
+async def test_run_tasks_returns_every_sample_in_task_order():
+    cfg = config(max_concurrency=3)
+    env = fake_env(cfg, ScriptedPolicyServer(delay=0.01))
+    seen = []
+
+    async def on_episode(ep):
+        seen.append((ep.group, ep.sample))
+
+    eps = await asyncio.wait_for(run_tasks(env, tasks("a", "b", "c"), 2, on_episode=on_episode), 30)
+    assert [(e.task.id, e.group, e.sample) for e in eps] == [(t, g, s) for g, t in enumerate("abc") for s in range(2)]
+    assert sorted(seen) == [(g, s) for g in range(3) for s in range(2)] and all(answered_ok(e) for e in eps)
+    assert env.pool.peak == 3  # max_concurrency
+
+
+# ---------------------------------------------------------------------------------------------
+# the task stream
+
+
+def test_task_stream_is_seeded_shuffled_per_epoch_and_resumable():
+    items = tasks(*"abcde")
+    s, again = TaskStream(items, seed=3), TaskStream(items, seed=3)
+    seq = [s.next().id for _ in range(15)]
+    assert [again.next().id for _ in range(15)] == seq and seq[:5] != seq[5:10]
+    for e in range(3):
+        assert sorted(seq[5 * e : 5 * e + 5]) == list("abcde")  # each epoch is a permutation
+    other = TaskStream(items, seed=4)
+    assert [other.next().id for _ in range(15)] != seq
+    for k in range(15):  # a resumed stream continues exactly where the old one was
+        resumed = TaskStream(items, seed=3, position=k)
+        assert [resumed.next().id for _ in range(15 - k)] == seq[k:]
+    rewound = TaskStream(items, seed=3)
+    for _ in range(7):
+        rewound.next()
+    rewound.position = 3  # train.py rewinds after a cancelled rollout, across an epoch boundary here
+    assert [rewound.next().id for _ in range(12)] == seq[3:]
+    with pytest.raises(ValueError, match="data.train"):
+        TaskStream([])
+
+
+def test_collect_docstring_examples():
+    assert doctest.testmod(l0_min.collect).failed == 0
+
+
+def test_scripted_policy_uses_the_tiny_random_token_ids():
+    from tests.scripted_policy import dec, enc
+
+    text = SEARCH + "<|im_start|>user\n<output>\ncafé\n</output>"
+    assert enc(text) == TOK.encode(text, add_special_tokens=False) and dec(enc(text)) == text
