@@ -26,7 +26,7 @@ demo: setup
 	$(PY) train.py --config configs/cpu_demo.yaml
 
 bench: setup
-	for b in bench/*.py; do case $$b in *learn.py) .venv/bin/torchrun --nproc_per_node=2 $$b --quick;; *) $(PY) $$b --quick;; esac; done
+	for b in bench/*.py; do case $$b in *common.py) ;; *learn.py) .venv/bin/torchrun --nproc_per_node=2 $$b --quick;; *) $(PY) $$b --quick;; esac; done
 
 clean:
 	rm -rf runs .pytest_cache

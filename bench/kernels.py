@@ -34,6 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import tree_memory_mb  # noqa: E402  (bench/common.py)
 from l0_min.config import KernelConfig, SandboxConfig  # noqa: E402
 from l0_min.kernel import Kernel  # noqa: E402
 from l0_min.pool import KernelPool  # noqa: E402
@@ -47,24 +48,6 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
 
 
-def memory_mb(pid: int) -> tuple[float, float]:
-    """RSS and PSS of a process and its descendants, in MB."""
-    rss = pss = 0
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Rss:"):
-                        rss += int(line.split()[1])
-                    elif line.startswith("Pss:"):
-                        pss += int(line.split()[1])
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                stack += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
-    return rss / 1024, pss / 1024
 
 
 async def cold_starts(n: int) -> dict[str, list[float]]:
@@ -110,7 +93,7 @@ async def round_trips(n: int) -> tuple[dict[str, list[float]], dict[str, tuple[f
                 times[name].append(time.perf_counter() - t)
                 assert r.ok, r.text()
         await asyncio.sleep(0.5)
-        mem = {name: memory_mb(k.pid) for name, k in kernels}
+        mem = {name: tree_memory_mb(k.pid) for name, k in kernels}
     finally:
         await asyncio.gather(*(k.shutdown() for _, k in kernels))
     return times, mem

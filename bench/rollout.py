@@ -47,6 +47,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from common import tree_memory_mb  # noqa: E402  (bench/common.py)
 from l0_min.collect import Env, collect_batch  # noqa: E402
 from l0_min.config import Config  # noqa: E402
 from l0_min.episode import ANSWERED, Task  # noqa: E402
@@ -81,24 +82,6 @@ def fast_byte_tokenizer():
     return tok
 
 
-def tree_memory_mb(pid: int) -> tuple[float, float]:
-    """RSS and PSS of a process and its descendants, in MB."""
-    rss = pss = 0
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Rss:"):
-                        rss += int(line.split()[1])
-                    elif line.startswith("Pss:"):
-                        pss += int(line.split()[1])
-            with open(f"/proc/{p}/task/{p}/children") as f:
-                stack += [int(c) for c in f.read().split()]
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            pass
-    return rss / 1024, pss / 1024
 
 
 def tree_cpu_seconds(pids: list[int]) -> float:
