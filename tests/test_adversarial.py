@@ -216,7 +216,7 @@ len([p for p in os.listdir('/proc') if p.isdigit()])
 
 async def test_shell_fork_bomb_is_contained_and_ends_with_the_kernel(ks):
     k = ks["spare1"]
-    bomb = "import subprocess, time\nsubprocess.Popen(['/bin/sh', '-c', 'f() { f | f & }; f'])\ntime.sleep(1.5)"
+    bomb = "import subprocess, time\nsubprocess.Popen(['/bin/sh', '-c', 'f() { f | f & sleep 3; }; f'])\ntime.sleep(1.5)"
     cell = asyncio.ensure_future(k.execute(bomb))
     peak, seen = 0, set()
     while not cell.done():  # watch the sandbox's process count from the host while the bomb runs
