@@ -193,13 +193,18 @@ def running_engine(model, tok, **kw):
         engine.stop()
 
 
-def run_all(engine, requests, gap=0.0):
-    """Submit (ids, params) pairs `gap` seconds apart; wait for all; return the finished Sequences."""
+def run_all(engine, requests, join_after_steps=0):
+    """Submit (ids, params) pairs, each `join_after_steps` engine steps after the previous one (0: all at
+    once); wait for all; return the finished Sequences. Counting engine steps, not seconds, makes the
+    later requests arrive mid-decode however fast or loaded the machine is."""
     done = threading.Semaphore(0)
     seqs = [Sequence(rid=str(i), input_ids=ids, params=p, on_done=lambda s: done.release()) for i, (ids, p) in enumerate(requests)]
     for s in seqs:
+        start = engine.steps
         engine.submit(s)
-        time.sleep(gap)
+        deadline = time.time() + 30
+        while join_after_steps and engine.steps < start + join_after_steps and time.time() < deadline:
+            time.sleep(0.001)
     for _ in seqs:
         assert done.acquire(timeout=60)
     return seqs
@@ -218,7 +223,7 @@ def test_continuous_batching_joins_and_matches_unbatched_greedy(tiny):
     prompts = [byte_ids(t) for t in ("hello", "The answer is", "x", "abc def ghi jkl")]
     greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     with running_engine(model, tok) as engine:
-        seqs = run_all(engine, [(p, greedy) for p in prompts], gap=0.05)
+        seqs = run_all(engine, [(p, greedy) for p in prompts], join_after_steps=3)
         assert max(engine.step_batch_sizes) >= 2  # later requests joined the running batch
         assert engine.steps < 4 * 40  # they shared decode steps instead of running one after another
     # arriving together, prompts of similar length are prefilled in one left-padded forward
