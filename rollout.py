@@ -1,6 +1,7 @@
 """Run the NB-Agent over a dataset without training: collect trajectories, debug a scaffold.
 
     python rollout.py --data synthetic:heldout --limit 20 --model smollm2-135m
+    python rollout.py --data synthetic:heldout --data hotpotqa --limit 20   # 20 of each, one corpus
     python rollout.py --data hotpotqa --inference-url http://gpu-host:30000 rollout.max_concurrency=256
 
 Writes OUT/trajectories.jsonl (one Episode per line, as each finishes), OUT/summary.json and
@@ -26,8 +27,10 @@ from l0_min.viewer import write_viewer
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--config", help="a YAML file of overrides (see configs/)")
-ap.add_argument("--data", help="synthetic[:train|:heldout], a benchmark name or a file (default: data.eval)")
-ap.add_argument("--limit", type=int, default=None, help="first N tasks")
+ap.add_argument("--data", action="append", default=[],
+                help="synthetic[:train|:heldout], a benchmark name or a file (default: data.eval); repeatable: "
+                     "the tasks are joined and search runs over the union of their paragraphs")
+ap.add_argument("--limit", type=int, default=None, help="first N tasks of each --data")
 ap.add_argument("--n-samples", type=int, default=1, help="episodes per task")
 ap.add_argument("--model", help="model for the embedded server (default: model.path)")
 ap.add_argument("--inference-url", action="append", default=[], help="SGLang server URL (repeatable)")
@@ -53,13 +56,18 @@ out = Path(args.out or f"runs/rollout-{time.strftime('%Y%m%d-%H%M%S')}")
 out.mkdir(parents=True, exist_ok=True)
 configlib.save(cfg, out / "config.yaml")
 
+specs = args.data or [cfg.data.eval]
+tasks, sources = [], []
 try:
-    tasks = load_tasks(args.data or cfg.data.eval, cfg.data, limit=args.limit)
+    for spec in specs:
+        part = load_tasks(spec, cfg.data, limit=args.limit)
+        if not part:
+            fail(f"no tasks in {spec!r}")
+        tasks += part
+        sources.append(getattr(part, "source", spec))
     model_path = resolve_model(cfg.model.path)
 except Exception as e:
     fail(str(e))
-if not tasks:
-    fail(f"no tasks in {args.data or cfg.data.eval!r}")
 
 from transformers import AutoTokenizer  # noqa: E402  (slow import, after the argument checks)
 
@@ -99,7 +107,7 @@ try:
     episodes = asyncio.run(main())
 except InferenceDown as e:
     fail(str(e))
-summary = batch_metrics(episodes) | {"seconds": time.perf_counter() - t0, "data": tasks.source if hasattr(tasks, "source") else str(args.data)}
+summary = batch_metrics(episodes) | {"seconds": time.perf_counter() - t0, "data": " + ".join(sources)}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 write_viewer(out / "trajectories.jsonl", out / "viewer.html")
 answered = sum(e.status == ANSWERED for e in episodes)

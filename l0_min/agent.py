@@ -6,7 +6,9 @@
 
 Token-in/token-out: each Step keeps the context ids sent, the action ids and log-probs returned.
 Action text is decoded from the ids for parsing and display only; it is never re-tokenized. Only
-observation text (and the chat wrapper around it) is tokenized. The context watcher
+observation text (and the chat wrapper around it) is tokenized. With `agent.prefill` ("<think>"),
+each assistant turn opens with that text inside the context ids; the sampled action continues it,
+and the step's action_text is prefill + decoded action. The context watcher
 (`l0_min.context`) decides when the context is rebuilt around the notepad.
 
 The episode ends when the host's tool server has recorded a final answer for this kernel (the
@@ -57,6 +59,19 @@ Example step:
 <think>I need the capital of France. I will note the plan and search.</think>
 <code>notepad.todo.append("find the capital of France")
 print(web_search("capital of France"))</code>"""
+
+
+# One solved task as earlier chat turns (`agent.worked_example`): a small model copies the shape of
+# a real exchange far more reliably than a description of it. Its tools' output is shown as they print.
+WORKED_EXAMPLE = (
+    {"role": "user", "content": "Task: In which year was the Orlen Bridge opened?\nYou have 3 steps."},
+    {"role": "assistant", "content": "<think>I should search for the Orlen Bridge and read the results.</think>\n"
+                                     "<code>print(web_search(\"Orlen Bridge opened\"))</code>"},
+    {"role": "user", "content": "<output>\n[1] Orlen Bridge (ref: orlen-bridge)\n    The Orlen Bridge was opened in "
+                                "1894 after six years of work.\n</output>\n[2 steps left]"},
+    {"role": "assistant", "content": "<think>The result says the bridge was opened in 1894. I submit that.</think>\n"
+                                     "<code>submit_final_answer(\"1894\")</code>"},
+)  # fmt: skip
 
 
 def task_prompt(task: Task, cfg: Config) -> str:
@@ -184,7 +199,9 @@ async def run_episode(task: Task, policy, kernel, tokenizer, cfg: Config, tool_s
     t0 = time.monotonic()
     ep = Episode(task=task)
     tool_server = tool_server if tool_server is not None else getattr(kernel, "tool_server", None)
-    ctx = ContextWatcher(_chat_format(tokenizer), SYSTEM_PROMPT, task_prompt(task, cfg), cfg.agent, cfg.sampling.max_new_tokens)
+    examples = WORKED_EXAMPLE if cfg.agent.worked_example else ()
+    ctx = ContextWatcher(_chat_format(tokenizer), SYSTEM_PROMPT, task_prompt(task, cfg), cfg.agent,
+                         cfg.sampling.max_new_tokens, examples)
     try:
         ep.status = await _loop(ep, ctx, policy, kernel, tokenizer, cfg, tool_server, t0 + cfg.agent.max_wall_seconds)
     finally:
@@ -240,7 +257,7 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy, kernel, tokenizer, cfg
         if len(gen.logprobs) != len(gen.output_ids) or not gen.output_ids:
             ep.error = f"bad generation: {len(gen.output_ids)} ids, {len(gen.logprobs)} log-probs"
             return INFERENCE_ERROR
-        text = ctx.chat.decode(gen.output_ids)
+        text = cfg.agent.prefill + ctx.chat.decode(gen.output_ids)  # the prefill is context, shown with the action
         p = parse_action(text, gen.finish_reason, gen.matched_stop)
         step = Step(
             context_ids=context_ids,
@@ -310,7 +327,7 @@ def _observation(ctx: ContextWatcher, action_ids: list[int], body: str, steps_le
     left = ctx.max_tokens - before - len(head)  # a guess: about one token per character or fewer
     for _ in range(4):
         text = head + budget_note(steps_left, left, 2 * ctx.min_room)
-        ids = ctx.chat.observation_ids(text, action_ids)
+        ids = ctx.observation_ids(text, action_ids)
         if ctx.max_tokens - before - len(ids) == left:
             break
         left = ctx.max_tokens - before - len(ids)

@@ -124,6 +124,9 @@ class AgentConfig:
     min_action_tokens: int = 128  # rebuild the context when less room than this is left for an action
     rebuild_fill: float = 0.5  # steps beyond keep_recent_steps are kept while the rebuilt context fills < this
     context_rebuild: bool = True  # False: a full context ends the episode (max_tokens) instead of dropping steps
+    # Prompting aids for small models (both off by default; configs/cpu_demo.yaml turns them on):
+    prefill: str = ""  # text that opens every assistant turn, in the context ids, e.g. "<think>"
+    worked_example: bool = False  # one solved example task as earlier chat turns before the task
 
 
 @dataclass

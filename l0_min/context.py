@@ -13,6 +13,11 @@ When the next action would not fit, the context is rebuilt (a new segment):
     prompt(system, task + "N earlier steps were dropped" note + the notepad's current text)
       + the most recent steps' action and observation ids, verbatim, as many as fit
 
+With `AgentConfig.prefill` (e.g. "<think>"), every assistant turn opens with that text as part of
+the context ids: the prompt and each observation end with it, and the sampled action continues it.
+`examples` (a worked example as earlier chat turns) sit between the system and the task turn and
+are kept on every rebuild.
+
 The first `keep_recent_steps` recent steps are kept whenever they fit at all; more are kept only
 while the rebuilt context stays under `rebuild_fill` of the window, so a rebuild frees real room
 instead of happening again on the next step. If even the rebuilt context without any step leaves
@@ -80,8 +85,9 @@ class ChatFormat:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode([i for i in ids if i not in self.special_ids])
 
-    def prompt_ids(self, system: str, user: str) -> list[int]:
-        msgs = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    def prompt_ids(self, system: str, user: str, examples: tuple = ()) -> list[int]:
+        """System turn, then `examples` (earlier chat messages, e.g. a worked example), then the user turn."""
+        msgs = [{"role": "system", "content": system}, *examples, {"role": "user", "content": user}]
         ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding from some versions
             ids = ids["input_ids"]
@@ -115,10 +121,13 @@ class ContextWatcher:
         w.append(action_ids, observation_ids)
     """
 
-    def __init__(self, chat: ChatFormat, system: str, task_text: str, cfg: AgentConfig, max_new_tokens: int):
+    def __init__(self, chat: ChatFormat, system: str, task_text: str, cfg: AgentConfig, max_new_tokens: int,
+                 examples: tuple = ()):
         self.chat = chat
         self.system = system
         self.task_text = task_text
+        self.examples = tuple(examples)  # chat messages between the system and the task turn, kept on rebuild
+        self.prefill_ids = chat.encode(cfg.prefill) if cfg.prefill else []
         self.max_tokens = cfg.max_context_tokens
         self.min_room = max(1, min(cfg.min_action_tokens, max_new_tokens))
         self.keep_recent = cfg.keep_recent_steps
@@ -127,7 +136,14 @@ class ContextWatcher:
         self.segment = 0
         self.truncations = 0
         self.dropped = 0  # steps not in the current context
-        self.ids: list[int] = chat.prompt_ids(system, task_text)
+        self.ids: list[int] = self._head(task_text)
+
+    def _head(self, user_text: str) -> list[int]:
+        return self.chat.prompt_ids(self.system, user_text, self.examples) + self.prefill_ids
+
+    def observation_ids(self, text: str, action_ids: list[int]) -> list[int]:
+        """The observation turn's ids, ending with the next assistant turn's prefill (if any)."""
+        return self.chat.observation_ids(text, action_ids) + self.prefill_ids
 
     def room(self) -> int:
         """Tokens left in the window for the next action."""
@@ -159,7 +175,7 @@ class ContextWatcher:
         """
         n = len(self.turns)
         limit = self.max_tokens - self.min_room
-        head_len = len(self.chat.prompt_ids(self.system, self.rebuild_user_text(notepad, n)))
+        head_len = len(self._head(self.rebuild_user_text(notepad, n)))
         if head_len > limit:
             return False
         # choose k recent steps, newest first
@@ -173,7 +189,7 @@ class ContextWatcher:
             k, used = k + 1, used + need
         # the note's numbers change with k: shrink k until the exact rebuilt context fits
         while True:
-            head = self.chat.prompt_ids(self.system, self.rebuild_user_text(notepad, n - k))
+            head = self._head(self.rebuild_user_text(notepad, n - k))
             ids = list(head)
             for turn in self.turns[n - k :]:
                 ids += turn.action_ids + turn.obs_ids

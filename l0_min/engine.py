@@ -147,14 +147,67 @@ def sample(
 # KV cache helpers: a DynamicCache is a list of layers with .keys/.values [B, H, L, D]
 
 
+class GrowingLayer(DynamicLayer):
+    """A KV cache layer that appends in place: `keys`/`values` are views of the first n columns of
+    buffers with spare columns, so a decode step writes one column instead of copying the whole cache
+    (DynamicLayer's torch.cat: 43% of a decode step's CPU time at batch 20 x 900 tokens).
+
+    Tensors handed in (a prefix-cache entry, a merged or selected cache) are never written: the first
+    update moves them into a new buffer with room to grow (len + len/4 + 64 columns).
+    """
+
+    def wrap(self, k: torch.Tensor, v: torch.Tensor) -> "GrowingLayer":
+        self.lazy_initialization(k)
+        self.keys, self.values = k, v
+        self._kbuf = self._vbuf = None  # not ours: copy before the first write
+        return self
+
+    def update(self, key_states, value_states, cache_kwargs=None):
+        if not self.is_initialized:
+            self.wrap(key_states[..., :0, :], value_states[..., :0, :])
+        n, new = self.keys.shape[-2], key_states.shape[-2]
+        if self._kbuf is None or n + new > self._kbuf.shape[-2]:
+            cap = n + new + (n + new) // 4 + 64
+            b, h, _, d = key_states.shape
+            kbuf, vbuf = key_states.new_empty(b, h, cap, d), value_states.new_empty(b, h, cap, d)
+            kbuf[..., :n, :], vbuf[..., :n, :] = self.keys, self.values
+            self._kbuf, self._vbuf = kbuf, vbuf
+        self._kbuf[..., n : n + new, :] = key_states
+        self._vbuf[..., n : n + new, :] = value_states
+        self.keys, self.values = self._kbuf[..., : n + new, :], self._vbuf[..., : n + new, :]
+        return self.keys, self.values
+
+
+GQA_ATTENTION = "l0_gqa_sdpa"
+
+
+def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' "sdpa" attention, but grouped-query heads are left to the kernel (`enable_gqa`)
+    also when there is a padding mask. transformers repeats K/V to every query head whenever a mask
+    is given (CUDA falls back to its math kernel otherwise); on CPU that copy of the whole cache was
+    60% of a decode step of a left-padded batch (batch 20 x 900 tokens: 1.09 s -> 0.32 s per step)."""
+    if attention_mask is not None and attention_mask.ndim == 4:
+        attention_mask = attention_mask[:, :, :, : key.shape[-2]]
+    if is_causal is None:
+        is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=is_causal,
+        enable_gqa=getattr(module, "num_key_value_groups", 1) > 1,
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
 def _cache_from(kv: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    """A DynamicCache holding these tensors as they are (from_legacy_cache would copy them)."""
+    """A cache of GrowingLayers holding these tensors as they are (from_legacy_cache would copy them)."""
     cache = DynamicCache()
     for k, v in kv:
-        layer = DynamicLayer()
-        layer.lazy_initialization(k)
-        layer.keys, layer.values = k, v
-        cache.layers.append(layer)
+        cache.layers.append(GrowingLayer().wrap(k, v))
+    return cache
+
+
+def _new_cache() -> DynamicCache:
+    cache = DynamicCache()
+    cache.layer_class_to_replicate = GrowingLayer
     return cache
 
 
@@ -257,6 +310,13 @@ class Engine:
     ):
         if logprob_mode not in ("original", "temperature"):
             raise ValueError(f"logprob_mode: expected 'original' or 'temperature', got {logprob_mode!r}")
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+            AttentionInterface.register(GQA_ATTENTION, gqa_sdpa)
+            AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # else the raw 2D mask is passed in
+            model.set_attn_implementation(GQA_ATTENTION)
         self.model = model
         self.tokenizer = tokenizer
         self.max_running = max_running
@@ -409,7 +469,7 @@ class Engine:
             seq.weight_version = self.weight_version
             n, kv = self.prefix_cache.lookup(seq.input_ids)
             # no copy needed: DynamicCache.update concatenates into new tensors, the entry stays intact
-            seq.cache = _cache_from(kv) if kv else DynamicCache()
+            seq.cache = _cache_from(kv) if kv else _new_cache()
             seq.prefilled = seq.cached_tokens = n
             self.prefilling.append(seq)
 
@@ -453,7 +513,7 @@ class Engine:
             attention_mask=(cols >= pad[:, None]).long(),
             position_ids=(cols - pad[:, None]).clamp(min=0),
             cache_position=torch.arange(length),
-            past_key_values=DynamicCache(),
+            past_key_values=_new_cache(),
             use_cache=True,
             logits_to_keep=1,
         )

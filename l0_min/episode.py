@@ -37,7 +37,7 @@ class Step:
     context_ids: list[int]  # exactly what was sent to the server
     action_ids: list[int]  # exactly what the server sampled
     action_logprobs: list[float]  # the server's log-probs of those ids
-    action_text: str = ""
+    action_text: str = ""  # agent.prefill (context, not action) + the decoded action ids
     think: str = ""
     code: str = ""
     observation: str = ""  # the text shown back to the model after this action

@@ -253,6 +253,43 @@ async def test_answered_episode_records_everything():
     assert sum(row.mask) == len(s0.action_ids) + len(s1.action_ids)
 
 
+async def test_prefill_opens_every_assistant_turn_in_the_context_not_the_action():
+    # with prefill "<think>" the policy continues an open think block; its ids are all it sampled
+    cfg = config(prefill="<think>", max_steps=10, max_context_tokens=1300, min_action_tokens=64, keep_recent_steps=1)
+    actions = ["Multiply six by seven.</think>\n<code>x = 6 * 7\nprint(x)</code>"]
+    actions += [f"print a long line {i}</think><code>print('{i}' * 200)</code>" for i in range(6)]
+    actions += ["Submit the product.</think><code>submit_final_answer(str(x))</code>"]
+    ep, policy, _ = await fake_episode(actions, cfg)
+    assert ep.status == ANSWERED and ep.final_answer == "42" and ep.truncations >= 1
+    for s, a in zip(ep.steps, actions):
+        assert dec(s.context_ids).endswith("<|im_start|>assistant\n<think>")  # also after a rebuild
+        assert s.action_ids == enc(a) and s.action_text == "<think>" + a
+        assert s.format_ok and s.think and s.code
+    assert ep.steps[0].think == "Multiply six by seven."
+    assert_rows_hold_sampled_ids(ep)
+    for a, b in zip(ep.steps, ep.steps[1:]):  # append-only within a segment, the prefill after each observation
+        if a.segment == b.segment:
+            obs = dec(b.context_ids[len(a.context_ids) + len(a.action_ids) :])
+            assert obs == f"<|im_end|>\n<|im_start|>user\n{a.observation}<|im_end|>\n<|im_start|>assistant\n<think>"
+    # the reward recomputes format from action_text, which carries the prefill
+    from l0_min.rewards import score_episode
+    score_episode(ep, cfg.reward)
+    assert ep.rewards["format"] == 1.0
+
+
+async def test_worked_example_sits_between_system_and_task_and_survives_a_rebuild():
+    from l0_min.agent import WORKED_EXAMPLE
+    cfg = config(worked_example=True, max_steps=10, max_context_tokens=2600, min_action_tokens=64, keep_recent_steps=1)
+    actions = [act(f"step {i}", f"print('{i}' * 200)") for i in range(6)] + [act("done", "submit_final_answer('42')")]
+    ep, _, _ = await fake_episode(actions, cfg)
+    assert ep.status == ANSWERED and ep.truncations >= 1
+    example = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in WORKED_EXAMPLE)
+    for s in (ep.steps[0], next(s for s in ep.steps if s.segment == 1)):
+        text = dec(s.context_ids)
+        assert text.startswith(f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n{example}<|im_start|>user\nTask: What is 6 times 7?")
+    assert "Orlen Bridge" not in dec(ep.steps[0].context_ids).split("Task: What is 6 times 7?")[1]
+
+
 async def test_sampling_params_follow_config_and_room():
     cfg = config(max_context_tokens=1400, min_action_tokens=64)
     cfg.sampling.temperature, cfg.sampling.top_p, cfg.sampling.top_k = 0.7, 0.9, 20
