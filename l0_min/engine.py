@@ -83,6 +83,7 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     finish_reason: dict | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    prefix_version: int = -1  # PrefixCache.version when this prompt last looked up a prefix
     weight_version: str = ""
     # engine-private: the sequence's own KV cache while it is being prefilled, and how far it got
     cache: DynamicCache | None = None
@@ -255,12 +256,14 @@ class PrefixCache:
         self.entries: OrderedDict[int, tuple[torch.Tensor, list]] = OrderedDict()
         self.tokens = 0
         self._next = 0
+        self.version = 0  # bumped by every insert, so waiting prompts know when to look again
 
     def insert(self, ids: list[int], kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         if len(ids) > self.max_tokens or len(ids) < 2:
             return
         self.entries[self._next] = (torch.tensor(ids, dtype=torch.long), kv)
         self._next += 1
+        self.version += 1
         self.tokens += len(ids)
         while self.tokens > self.max_tokens:
             _, (old, _) = self.entries.popitem(last=False)
@@ -288,6 +291,7 @@ class PrefixCache:
     def clear(self) -> None:
         self.entries.clear()
         self.tokens = 0
+        self.version += 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -467,11 +471,23 @@ class Engine:
                 return
             self.waiting.pop(0)
             seq.weight_version = self.weight_version
-            n, kv = self.prefix_cache.lookup(seq.input_ids)
-            # no copy needed: DynamicCache.update concatenates into new tensors, the entry stays intact
-            seq.cache = _cache_from(kv) if kv else _new_cache()
-            seq.prefilled = seq.cached_tokens = n
+            seq.cache, seq.prefilled, seq.cached_tokens = None, 0, 0  # prefix looked up when its prefill starts
             self.prefilling.append(seq)
+
+    def _lookup_prefixes(self) -> None:
+        """Give each admitted prompt whose prefill has not started the longest cached prefix there is
+        now. Looking up here rather than at admission lets a burst of agents that share a system prompt
+        reuse the first one's KV once it is prefilled (see `_prompts_done`)."""
+        version = self.prefix_cache.version
+        for seq in self.prefilling:
+            if seq.prefilled != seq.cached_tokens or seq.prefix_version == version:
+                continue  # its prefill has started, or the cache has not changed since it looked
+            seq.prefix_version = version
+            n, kv = self.prefix_cache.lookup(seq.input_ids)
+            if seq.cache is None or n > seq.cached_tokens:
+                # no copy needed: a GrowingLayer copies tensors it did not allocate before writing
+                seq.cache = _cache_from(kv) if kv else _new_cache()
+                seq.prefilled = seq.cached_tokens = n
 
     def _prefill(self) -> None:
         """Up to prefill_chunk prompt tokens per turn, oldest requests first. Fresh prompts of similar
@@ -479,6 +495,7 @@ class Engine:
         own cache. A prompt that is done samples its first token and joins the running batch."""
         budget = self.prefill_chunk
         while self.prefilling and budget > 0:
+            self._lookup_prefixes()
             group = self._fresh_group(budget)
             head = self.prefilling[0]
             if len(group) > 1:
@@ -564,6 +581,10 @@ class Engine:
             if seq.finish_reason is not None:
                 self.prefix_cache.insert(seq.input_ids, _row(cache, r, len(seq.input_ids)))
                 self._notify(seq)
+            elif self.prefix_cache.max_tokens > 0 and seq.cached_tokens < len(seq.input_ids) // 2:
+                # a prompt mostly computed from scratch: share it now (a system prompt that many agents
+                # start with), not only when the sequence finishes
+                self.prefix_cache.insert(seq.input_ids, _row(cache, r, len(seq.input_ids)))
         if joined:
             new = _select(cache, joined, [len(seqs[r].input_ids) for r in joined])
             self.cache = _merge(self.cache, [s.kv_len for s in self.running], new, [seqs[r].kv_len for r in joined])

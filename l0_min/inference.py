@@ -60,6 +60,25 @@ class Generation:
     meta_info: dict = field(default_factory=dict, repr=False)  # the server's whole meta_info
 
 
+class _IdText(dict):
+    """Token id -> its JSON text (str(i)), filled as ids are seen: joining these is several times
+    faster than json.dumps on a long list of ints. Only exact ints are looked up (a bool would hit 0/1)."""
+
+    def __missing__(self, i: int) -> str:
+        text = int.__repr__(i)
+        if 0 <= i < 1 << 22:  # a vocabulary's worth; anything else is not kept
+            self[i] = text
+        return text
+
+
+_ID_TEXT = _IdText()
+_JSON_HEADERS = {"Content-Type": "application/json"}  # what aiohttp's json= sends
+
+
+class _JSONBody(bytes):
+    """A request body already encoded as JSON (sent as is, with the JSON content type)."""
+
+
 class InferenceError(RuntimeError):
     """The server(s) stayed unreachable / kept failing after retries, or answered something unusable."""
 
@@ -170,16 +189,23 @@ class InferenceClient:
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
         """Sample a continuation of `input_ids`. `sampling` holds SGLang sampling_params (max_new_tokens,
         temperature, top_p, top_k, stop, stop_token_ids, ...)."""
-        if not isinstance(input_ids, list) or not input_ids or not all(isinstance(t, int) for t in input_ids):
+        if not isinstance(input_ids, list) or not input_ids:
+            raise ValueError("input_ids: expected a non-empty list of token ids")
+        exact = set(map(type, input_ids)) == {int}  # the usual case; one pass in C instead of a generator
+        if not exact and not all(map(isinstance, input_ids, itertools.repeat(int))):
             raise ValueError("input_ids: expected a non-empty list of token ids")
         if not isinstance(sampling, dict):
             raise ValueError(f"sampling: expected a dict of SGLang sampling_params, got {type(sampling).__name__}")
-        payload = {
-            "input_ids": input_ids,
+        rest = {
             "sampling_params": {**sampling, "no_stop_trim": True, "skip_special_tokens": False},
             "return_logprob": True,
         }
-        _, body = await self._call("POST", "/generate", payload)
+        if exact:  # the bytes json.dumps({"input_ids": input_ids, **rest}) gives, several times faster
+            payload = ('{"input_ids": [' + ", ".join(map(_ID_TEXT.__getitem__, input_ids)) + "], "
+                       + json.dumps(rest)[1:]).encode()  # fmt: skip
+        else:  # int subclasses (bool: true/false): json.dumps as it always was
+            payload = json.dumps({"input_ids": input_ids, **rest}).encode()
+        _, body = await self._call("POST", "/generate", _JSONBody(payload))
         return parse_generation(body)
 
     async def update_weights_from_disk(self, path: str, weight_version: str) -> None:
@@ -285,7 +311,11 @@ class InferenceClient:
         session = self._get_session()
         server.outstanding += 1
         try:
-            async with session.request(method, server.url + path, json=payload) as resp:
+            if isinstance(payload, _JSONBody):  # already encoded
+                kwargs = {"data": bytes(payload), "headers": _JSON_HEADERS}
+            else:
+                kwargs = {"json": payload}
+            async with session.request(method, server.url + path, **kwargs) as resp:
                 text = await resp.text()
                 status = resp.status
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:

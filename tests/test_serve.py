@@ -306,6 +306,24 @@ def test_prefix_cache_reuses_an_agent_turn(tiny):
     assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=1e-4)
 
 
+def test_a_burst_sharing_a_system_prompt_computes_it_once(tiny):
+    # agents start together with the same system prompt: once the first prompt is prefilled, the
+    # others reuse its KV instead of each computing the shared part again
+    model, tok = tiny
+    greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
+    system = byte_ids("a long system prompt that every agent of the batch starts with. ")
+    prompts = [system + byte_ids(f"task {i}: question {7 * i}") for i in range(6)]
+    with running_engine(model, tok, prefill_chunk=len(prompts[0]) + 4) as engine:
+        shared = run_all(engine, [(p, greedy) for p in prompts])
+    with running_engine(model, tok, prefix_cache_tokens=0) as engine:
+        alone = run_all(engine, [(p, greedy) for p in prompts])
+    assert shared[0].cached_tokens == 0
+    assert [s.cached_tokens for s in shared[1:]] == [len(system) + len("task ")] * 5
+    assert [s.output_ids for s in shared] == [s.output_ids for s in alone]
+    for a, b in zip(shared, alone):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
 def test_engine_rejects_what_it_cannot_run(tiny):
     model, tok = tiny
     engine = Engine(model, tok, context_length=64)
