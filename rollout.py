@@ -22,7 +22,7 @@ from l0_min.data import load_tasks
 from l0_min.episode import ANSWERED, ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode
 from l0_min.log import batch_metrics
 from l0_min.models import resolve_model
-from l0_min.runtime import rollout_env
+from l0_min.runtime import rollout_env, settle_gc
 from l0_min.viewer import write_viewer
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,6 +97,7 @@ class Progress:
 async def main() -> list[Episode]:
     progress = Progress(len(tasks) * args.n_samples)
     async with rollout_env(cfg, model_path, tokenizer, list(tasks), log_dir=out) as env:
+        settle_gc()
         episodes = await run_tasks(env, list(tasks), args.n_samples, on_episode=progress)
     print()
     return episodes

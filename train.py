@@ -69,7 +69,7 @@ from l0_min.episode import training_rows  # noqa: E402
 from l0_min.learner import Learner, init_distributed, shard_rows  # noqa: E402
 from l0_min.log import STEP_HEADER, MetricsLogger, RunDir, batch_metrics, format_step_row, plot_rewards  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
-from l0_min.runtime import rollout_env  # noqa: E402
+from l0_min.runtime import rollout_env, settle_gc  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
 
 rank, world, device = init_distributed(cfg.learner.backend)
@@ -153,6 +153,7 @@ if rank == 0:
         env = loop.run_until_complete(env_cm.__aenter__())
     except Exception as e:
         fail(f"could not start the rollout environment: {type(e).__name__}: {e}")
+    settle_gc()
     if resumed_weights is not None:
         loop.run_until_complete(env.policy.update_weights_from_disk(str(resumed_weights), str(start_step)))
 

@@ -54,6 +54,7 @@ from l0_min.episode import ANSWERED, Task  # noqa: E402
 from l0_min.inference import InferenceClient  # noqa: E402
 from l0_min.models import tiny_tokenizer  # noqa: E402
 from l0_min.pool import KernelPool  # noqa: E402
+from l0_min.runtime import settle_gc  # noqa: E402
 from l0_min.search import BM25Backend  # noqa: E402
 from l0_min.tools import ToolServer  # noqa: E402
 from tests.scripted_policy import ANSWER, SEARCH  # noqa: E402
@@ -217,6 +218,7 @@ async def main(quick: bool, tokenizer: str, levels: list[int] | None) -> None:
     pool = KernelPool(cfg.sandbox, cfg.kernel, tools)
     await pool.start()
     client = InferenceClient([url], cfg.inference, max_connections=max(levels))
+    settle_gc()  # as train.py and rollout.py do once set up (both sides run in this process alike)
     rows, memory = [], None
     try:
         for c in levels:
