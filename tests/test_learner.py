@@ -54,3 +54,34 @@ def test_learner_raises_reward_of_multistep_env(tmp_path):
     final = float(result[0].split("=")[1].split()[0])
     assert first < 0.2, out[-2000:]
     assert final >= 0.8, out[-2000:]
+
+
+def test_token_logprobs_of_needed_positions_match_a_plain_forward(tmp_path, monkeypatch):
+    # only the masked-in positions go through the LM head; their values equal a plain per-row forward
+    import torch
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    from l0_min.learner import PACKED_ATTENTION, packed_sdpa, token_logprobs
+    from l0_min.models import resolve_model
+
+    monkeypatch.setenv("L0_MIN_CACHE", str(tmp_path))
+    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model("tiny-random"), attn_implementation=PACKED_ATTENTION)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 250, (50,))
+    pos = torch.cat([torch.arange(20), torch.arange(30)])  # two packed rows: 20 and 30 tokens
+    need = torch.zeros(50, dtype=torch.bool)
+    need[[5, 6, 7, 20, 25, 40, 49]] = True  # 20 starts row 2: never an action, stays 0
+    got = token_logprobs(model, ids, pos, need)
+    with torch.no_grad():
+        plain = [torch.log_softmax(model(ids[None, a:b]).logits[0, :-1], -1).gather(-1, ids[a + 1 : b, None]).squeeze(-1)
+                 for a, b in ((0, 20), (20, 50))]  # fmt: skip
+    want = torch.zeros(50)
+    want[1:20], want[21:50] = plain
+    keep = need & (pos != 0)
+    assert torch.allclose(got[keep], want[keep], atol=1e-5)
+    assert got[~keep].abs().max() == 0
+    assert torch.allclose(token_logprobs(model, ids, pos)[keep], got[keep], atol=1e-5)
+    # a filler with nothing needed still reaches every weight (FSDP ranks must all run backward)
+    token_logprobs(model, ids[:4], torch.arange(4), torch.zeros(4, dtype=torch.bool)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
