@@ -55,6 +55,22 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.special_ids = set(tokenizer.all_special_ids)
         self.before, self.after = self._wrapper()
+        self._backend = self._same_backend(tokenizer, self.before + "x" + self.after)
+
+    @staticmethod
+    def _same_backend(tokenizer, wrapper: str):
+        """A fast tokenizer's Rust backend, if it encodes exactly like `tokenizer.encode` (checked on
+        probes with the chat wrapper, leading spaces, newlines and non-ASCII text). Calling it directly
+        skips the transformers wrapper, about half the cost of encoding a short observation, paid
+        several times per agent step."""
+        backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+        if backend is None:
+            return None
+        probes = [wrapper, " leading space", "\n\nx = 1\nprint(x)\n", "<output>\ncafé 東京 ✓\n</output>\n[2 steps left]"]
+        for text in probes:
+            if backend.encode(text, add_special_tokens=False).ids != list(tokenizer.encode(text, add_special_tokens=False)):
+                return None
+        return backend
 
     def _wrapper(self) -> tuple[str, str]:
         act, obs = "\x00ACTION\x00", "\x00OBSERVATION\x00"
@@ -75,6 +91,8 @@ class ChatFormat:
         return before, after
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:

@@ -210,3 +210,24 @@ def test_initial_prompt_too_long_cannot_be_rebuilt(tok):
     w = ContextWatcher(ChatFormat(tok), "SYS", "Q" * 100, cfg, max_new_tokens=100)
     assert w.needs_rebuild()
     assert not w.rebuild("")
+
+
+def test_fast_tokenizer_backend_encodes_exactly_like_the_tokenizer():
+    # ChatFormat.encode calls a fast tokenizer's Rust backend directly once probes show it agrees
+    import importlib.util
+    import random
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "bench"
+    sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("bench_rollout", bench / "rollout.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    tok = mod.fast_byte_tokenizer()
+    chat = ChatFormat(tok)
+    assert chat._backend is not None
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(["a", " ", "\n", "<", "é", "東", "<|im_end|>", "</s>", "x"]) for _ in range(rng.randint(0, 40)))
+        assert chat.encode(text) == tok.encode(text, add_special_tokens=False), text
