@@ -128,14 +128,13 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=
     `cu_seq_lens_q` holds the row boundaries [0, len0, len0+len1, ..., n] (flash-attention's name).
     Inputs are [1, heads, tokens, head_dim]; it serves the learner's packed, unpadded batches only.
     """
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    gqa = getattr(module, "num_key_value_groups", 1) > 1  # SDPA shares K/V across query heads itself
     bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
     out = torch.cat(
         [
             F.scaled_dot_product_attention(
-                query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling
+                query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
+                enable_gqa=gqa,
             )
             for a, b in zip(bounds[:-1], bounds[1:])
         ],
