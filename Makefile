@@ -26,7 +26,8 @@ demo: setup
 	$(PY) train.py --config configs/cpu_demo.yaml
 
 bench: setup
-	for b in bench/*.py; do case $$b in *common.py) ;; *learn.py) .venv/bin/torchrun --nproc_per_node=2 $$b --quick;; *) $(PY) $$b --quick;; esac; done
+	for b in bench/*.py; do case $$b in */common.py|*/stand_ins.py|*/scripted_policy.py|*/toy.py|*/gpu_smoke.py) ;; \
+	  */learn.py) .venv/bin/torchrun --nproc_per_node=2 $$b --quick;; *) $(PY) $$b --quick;; esac; done
 
 # SGLang (requirements-gpu.txt) lives in its own environment; this checks that its requirement set resolves,
 # from package metadata only (pip's dry run: nothing is installed), and prints its torch / transformers pins.
