@@ -11,6 +11,7 @@ failures. Without --inference-url the embedded CPU server is started on --model.
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 import time
@@ -25,6 +26,7 @@ from l0_min.log import batch_metrics, write_jsonl
 from l0_min.models import resolve_model
 from l0_min.runtime import rollout_env, settle_gc
 from l0_min.viewer import write_viewer
+from l0_min.world import ExpertPolicy
 
 ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 ap.add_argument("--config", help="a YAML file of overrides (see configs/)")
@@ -35,6 +37,8 @@ ap.add_argument("--limit", type=int, default=None, help="first N tasks of each -
 ap.add_argument("--n-samples", type=int, default=1, help="episodes per task")
 ap.add_argument("--model", help="model for the embedded server (default: model.path)")
 ap.add_argument("--inference-url", action="append", default=[], help="SGLang server URL (repeatable)")
+ap.add_argument("--expert", action="store_true", help="the scripted expert of the synthetic world writes the actions "
+                "(world.ExpertPolicy, through the same kernels and tools): SFT episodes, or a ceiling to compare with")
 ap.add_argument("--out", help="output folder (default runs/rollout-<time>)")
 ap.add_argument("overrides", nargs="*", help="section.key=value")
 args = ap.parse_args()
@@ -67,6 +71,8 @@ try:
         tasks += part
         sources.append(getattr(part, "source", spec))
     model_path = resolve_model(cfg.model.path)
+    if args.expert and any(t.meta.get("source") != "world" for t in tasks):
+        fail("--expert writes actions for synthetic world tasks only (--data synthetic[:train|:heldout])")
 except Exception as e:
     fail(str(e))
 
@@ -98,6 +104,8 @@ async def main() -> list[Episode]:
     progress = Progress(len(tasks) * args.n_samples)
     async with rollout_env(cfg, model_path, tokenizer, list(tasks), log_dir=out) as env:
         settle_gc()
+        if args.expert:
+            env = dataclasses.replace(env, policy=ExpertPolicy(tasks, tokenizer, cfg.agent.prefill))
         episodes = await run_tasks(env, list(tasks), args.n_samples, on_episode=progress)
     print()
     return episodes

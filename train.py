@@ -78,7 +78,10 @@ from l0_min.runtime import rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
 from l0_min.world import ExpertPolicy  # noqa: E402
 
-rank, world, device = init_distributed(cfg.learner.backend)
+try:
+    rank, world, device = init_distributed(cfg.learner.backend)
+except RuntimeError as e:  # e.g. a learner GPU already held by an inference server (learner.check_gpu_free)
+    fail(str(e))
 # Small control messages go over a CPU (gloo) group with a long timeout: the other ranks wait in it
 # while rank 0 collects a batch, which may take far longer than a GPU collective's watchdog allows.
 control = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
@@ -178,8 +181,10 @@ if rank0:
 
     def evaluate(step: int) -> None:
         """The held-out tasks, scored as evaluate.py scores them (official EM / F1 per question), at the
-        sampling temperature (run.eval_samples episodes per task) and, with run.eval_greedy, greedily too."""
-        for mode in ("sampled", "greedy") if cfg.run.eval_greedy else ("sampled",):
+        sampling temperature (run.eval_samples episodes per task) and, with run.eval_greedy, greedily too
+        (not the base model before SFT: greedy is there to compare RL's start and end)."""
+        greedy = cfg.run.eval_greedy and (step > 0 or sft_steps == 0)
+        for mode in ("sampled", "greedy") if greedy else ("sampled",):
             t0, key = time.perf_counter(), "eval/" if mode == "sampled" else "eval/greedy/"
             env_m = env
             if mode == "greedy":
@@ -305,7 +310,7 @@ if rank0:
     if step == last and not stop.is_set() and exit_code == 0 and cfg.run.eval_every >= 0:
         evaluate(step)
     for name, a, b in (("SFT", 0, sft_steps), ("RL", sft_steps, last)):  # each phase's held-out gain, and its test
-        for mode in evals.get(b, {}) if a != b and a in evals else ():
+        for mode in [m for m in evals.get(b, {}) if m in evals.get(a, {})] if a != b else ():  # modes run at both
             (c1, n1), (c2, n2) = evals[b][mode], evals[a][mode]
             diff, _, p = two_proportion_z_test(c1, n1, c2, n2)
             print(f"{name} phase ({mode}): held-out EM {c2 / n2:.3f} -> {c1 / n1:.3f} ({diff:+.3f}), "

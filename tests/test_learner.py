@@ -45,7 +45,7 @@ def test_export_in_the_serving_dtype(report):
     assert report["bf16_equal"] is True  # the fp32 masters, rounded once
 
 
-def test_resume_reproduces_the_next_step(report):
+def test_truncated_importance_weights_and_band_give_their_exact_numbers_on_2_ranks(report):
     tis = report["tis"]  # the behaviour policy: the sampler's log-probs against the learner's (prox)
     assert tis["own"]["mismatch/abs_log_ratio_max"] < 1e-5 and tis["own"]["tis/truncated_frac"] == 0.0
     assert tis["ratio4"]["pg_loss"] == pytest.approx(2 * tis["own"]["pg_loss"], rel=1e-4)  # min(4, cap 2)
@@ -53,10 +53,16 @@ def test_resume_reproduces_the_next_step(report):
     assert tis["ratio4"]["mismatch/abs_log_ratio_mean"] == pytest.approx(math.log(4), rel=1e-4)
     assert tis["ratio4"]["mismatch/kl_k3"] == pytest.approx(4 - 1 - math.log(4), rel=1e-4)
     assert tis["band"]["tis/masked_frac"] == 1.0 and tis["band"]["pg_loss"] == 0.0
+
+
+def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     lora = report["lora"]  # LoRA under FSDP2 on 2 ranks == a plain peft step on one process, exported merged
     assert 0 < lora["trainable"] < lora["all"] / 4
     assert lora["loss"] == pytest.approx(lora["loss_ref"], rel=1e-5, abs=1e-7)
     assert lora["max_logit_diff_vs_plain_peft"] < 1e-4 and lora["keys_as_base"] and lora["base_changed"] > 0
+
+
+def test_resume_reproduces_the_next_step(report):
     assert report["resume_extra"] == {"data_position": 1}
     assert report["loss_step2_resumed"] == report["loss_step2"]
     assert report["resume_max_weight_diff"] == 0.0

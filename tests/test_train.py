@@ -111,3 +111,31 @@ def test_two_ranks_write_one_run_folder_named_by_rank0_and_resume(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     assert sorted(_step_metrics(run_dir)) == [1, 2] and list(tmp_path.iterdir()) == [run_dir]
     assert [f.name for f in (run_dir / "weights").iterdir()] == ["step_00002"]  # the older ones went once confirmed
+
+
+def test_overlap_one_trains_on_batches_collected_ahead_and_logs_the_correction(tmp_path):
+    """rollout.overlap=1 through train.py: the batch of step 2 and 3 started under the weights one update
+    older (action tokens with lag 1), none older than that was kept, and each step logs the sampler vs
+    learner mismatch, which is ~0 here (both fp32 on CPU: the correction is the identity)."""
+    p = _run(["rollout.overlap=1", "run.steps=3", f"run.out_dir={tmp_path}"], timeout=400)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    (run_dir,) = tmp_path.iterdir()
+    m = _step_metrics(run_dir)
+    assert sorted(m) == [1, 2, 3]
+    assert all(m[s]["rollout/stale_dropped"] == 0 for s in m)
+    assert all(not any(k.startswith("rollout/lag/") and int(k.rsplit("/", 1)[1]) > 1 for k in m[s]) for s in m)
+    assert sum(m[s].get("rollout/lag/1", 0) for s in (2, 3)) > 0, {s: m[s].get("rollout/lag/1") for s in m}
+    for s in m:
+        assert m[s]["train/mismatch/abs_log_ratio_max"] < 1e-3 and m[s]["train/tis/truncated_frac"] == 0
+
+
+def test_sft_then_rl_prints_each_phase_gain(tmp_path):
+    """Base eval (sampled only) -> SFT -> eval -> RL -> eval, greedy too after SFT: each phase's gain line is
+    printed for the modes evaluated at both ends, and the run ends with the run folder (and its plot)."""
+    p = _run(["sft.episodes=2", "sft.steps=1", "sft.batch_size=2", "run.steps=1", "run.eval_every=0",
+              "run.eval_greedy=true", "data.eval_limit=2", f"run.out_dir={tmp_path}"], timeout=400)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    phases = [l.split(":")[0] for l in p.stdout.splitlines() if " phase (" in l]
+    assert phases == ["SFT phase (sampled)", "RL phase (sampled)", "RL phase (greedy)"], p.stdout[-2000:]
+    (run_dir,) = tmp_path.iterdir()
+    assert (run_dir / "plots" / "rewards.png").is_file() and (run_dir / "viewer.html").is_file()

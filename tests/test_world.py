@@ -162,3 +162,25 @@ def test_questions_name_their_entities(w):
         first = docs[t.meta["support"][0]]["title"]
         assert first in t.question, (t.question, first)
         assert re.search(r"\?$", t.question)
+
+
+def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
+    """`rollout.py --expert`: the SFT episodes of train.py, written by the expert through bwrap'd kernels and
+    the tool socket: every lookup answered right in two steps, real search output in the observations."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    args = ["rollout.py", "--expert", "--data", "synthetic:train", "--limit", "4", "--model", "tiny-random",
+            "--out", str(tmp_path), "data.synthetic_kinds=[lookup]", "kernel.pool_size=2"]  # fmt: skip
+    p = subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    eps = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
+    assert len(eps) == 4 and all(e["rewards"]["em"] == 1.0 and len(e["steps"]) == 2 for e in eps)
+    assert all("(ref: " in e["steps"][0]["observation"] for e in eps)
+    (tmp_path / "qa.jsonl").write_text('{"question": "Who wrote it?", "answer": "Someone"}\n')
+    args = ["rollout.py", "--expert", "--data", str(tmp_path / "qa.jsonl"), "--out", str(tmp_path)]
+    p = subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "--expert writes actions for synthetic world tasks only" in p.stderr, p.stderr
