@@ -20,12 +20,11 @@ Supported layouts (each also as .parquet, and .json/.jsonl optionally gzipped):
 | flashrag | id, question, golden_answers [, metadata, data_source]                            | FlashRAG, Search-R1  |
 
 Aliases joined with `<|answer_split|>` (FlashRAG / R1-Searcher) are split. A row's `data_source`
-(mixed files such as Search-R1's test set) becomes its `meta["benchmark"]`, so scores can be
-reported per source. A malformed row (or one that is not UTF-8) raises `DataError` naming file and
-row (1-based data row: a CSV row after the header, a JSONL line, a JSON list item). With
-`skip_bad_rows=True` (data.skip_bad_rows=true) it is skipped, logged and counted: the returned
-`Tasks` list carries `.skipped` and `.errors`. Ids come from the row's id field (`_id`, `id`, `idx`,
-`QuestionId`, `question_id`), else `<file stem>:<row>`.
+(mixed files such as Search-R1's test set) becomes its `meta["benchmark"]`, to score per source.
+A malformed or non-UTF-8 row raises `DataError` naming file and 1-based data row (a CSV row after
+the header, a JSONL line, a JSON list item); with `skip_bad_rows=True` (data.skip_bad_rows=true) it
+is skipped, logged and counted in the `Tasks`' `.skipped` and `.errors`. Ids come from the row's id
+field (`_id`, `id`, `idx`, `QuestionId`, `question_id`), else `<file stem>:<row>`.
 """
 
 from __future__ import annotations
@@ -64,12 +63,9 @@ class Tasks(list):
 # name -> (hub dataset repo, file in it). FlashRAG files are in the `flashrag` layout.
 _FLASHRAG = "RUC-NLPIR/FlashRAG_datasets"
 BENCHMARKS = {
-    "simpleqa": ("basicv8vc/SimpleQA", "simple_qa_test_set.csv"),
-    "hotpotqa": (_FLASHRAG, "hotpotqa/dev.jsonl"),
-    "musique": (_FLASHRAG, "musique/dev.jsonl"),
-    "2wikimultihopqa": (_FLASHRAG, "2wikimultihopqa/dev.jsonl"),
-    "bamboogle": (_FLASHRAG, "bamboogle/test.jsonl"),
-    "nq": (_FLASHRAG, "nq/test.jsonl"),
+    "simpleqa": ("basicv8vc/SimpleQA", "simple_qa_test_set.csv"), "hotpotqa": (_FLASHRAG, "hotpotqa/dev.jsonl"),
+    "musique": (_FLASHRAG, "musique/dev.jsonl"), "2wikimultihopqa": (_FLASHRAG, "2wikimultihopqa/dev.jsonl"),
+    "bamboogle": (_FLASHRAG, "bamboogle/test.jsonl"), "nq": (_FLASHRAG, "nq/test.jsonl"),
     "triviaqa": (_FLASHRAG, "triviaqa/test.jsonl"),
 }
 ALIASES = {"2wiki": "2wikimultihopqa", "nq_open": "nq", "nq-open": "nq", "simple_qa": "simpleqa",
@@ -82,12 +78,6 @@ class _RowError(ValueError):
 
 
 # ----------------------------------------------------------------------------- reading records
-
-
-def _open_text(path: Path):  # bytes that are not UTF-8 become U+DC80..U+DCFF: `_not_utf8` names their row
-    if path.suffix == ".gz":
-        return gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape")
-    return open(path, encoding="utf-8", errors="surrogateescape", newline="")
 
 
 _SURROGATE = re.compile("[\udc80-\udcff]")
@@ -120,7 +110,9 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
             raise DataError(f"{path}: reading parquet needs pyarrow (pip install pyarrow)") from None
         yield from enumerate(pq.read_table(str(path)).to_pylist(), 1)
         return
-    with _open_text(path) as f:
+    # bytes that are not UTF-8 become U+DC80..U+DCFF: `_not_utf8` names their row
+    with (gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape") if path.suffix == ".gz"
+          else open(path, encoding="utf-8", errors="surrogateescape", newline="")) as f:
         if kind == "csv":
             reader = csv.DictReader(f)
             if not reader.fieldnames:
@@ -132,7 +124,18 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
                 else:
                     yield i, _not_utf8(",".join(row.values())) or row
         elif kind == "json":
-            yield from _json_rows(path, f.read())
+            text = f.read()
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}: not valid JSON: {e}") from None
+            if isinstance(data, dict):  # TriviaQA rc / unfiltered: {"Data": [...]}, else {"data": [...]}
+                data = next((data[k] for k in ("Data", "data") if isinstance(data.get(k), list)), data)
+            if not isinstance(data, list):
+                raise DataError(f"{path}: expected a JSON list of rows (or TriviaQA's {{'Data': [...]}}), "
+                                f"got {type(data).__name__}")
+            bad = _SURROGATE.search(text) is not None
+            yield from ((i, bad and _not_utf8(json.dumps(r, ensure_ascii=False)) or r) for i, r in enumerate(data, 1))
         else:  # tsv or jsonl: one row a line
             for i, line in enumerate(f, 1):
                 if not line.strip():
@@ -142,32 +145,14 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
                         yield i, _not_utf8(line) or json.loads(line)
                     except json.JSONDecodeError as e:
                         yield i, _RowError(f"not valid JSON: {e}")
-                    continue
-                parts = line.rstrip("\n").split("\t")  # DPR qas: question<TAB>['alias', ...], no header
-                if len(parts) != 2:
+                elif len(parts := line.rstrip("\n").split("\t")) != 2:  # DPR qas: question<TAB>['alias', ...]
                     yield i, _RowError(f"expected 'question<TAB>answers', got {len(parts)} fields")
-                    continue
-                try:
-                    answers = ast.literal_eval(parts[1])
-                except (ValueError, SyntaxError):
-                    answers = [parts[1]]
-                yield i, _not_utf8(line) or {"question": parts[0], "answer": answers}
-
-
-def _json_rows(path: Path, text: str) -> Iterator[tuple[int, dict | Exception]]:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise DataError(f"{path}: not valid JSON: {e}") from None
-    if isinstance(data, dict) and isinstance(data.get("Data"), list):  # TriviaQA rc / unfiltered
-        data = data["Data"]
-    elif isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON list of rows (or TriviaQA's {{'Data': [...]}}), "
-                        f"got {type(data).__name__}")
-    bad = _SURROGATE.search(text) is not None
-    yield from ((i, bad and _not_utf8(json.dumps(r, ensure_ascii=False)) or r) for i, r in enumerate(data, 1))
+                else:
+                    try:
+                        answers = ast.literal_eval(parts[1])
+                    except (ValueError, SyntaxError):
+                        answers = [parts[1]]
+                    yield i, _not_utf8(line) or {"question": parts[0], "answer": answers}
 
 
 # --------------------------------------------------------------------------------- row layouts
@@ -219,8 +204,7 @@ def _alias_list(v, key: str) -> list[str]:
         v = [v]
     if not isinstance(v, list):
         raise _RowError(f"field '{key}' must be a list of strings, got {type(v).__name__}")
-    bad = [a for a in v if not isinstance(a, (str, int, float)) or isinstance(a, bool)]
-    if bad:
+    if bad := [a for a in v if not isinstance(a, (str, int, float)) or isinstance(a, bool)]:
         raise _RowError(f"field '{key}' has a non-string answer {bad[0]!r}")
     return [str(a).strip() for a in v]
 
@@ -299,17 +283,14 @@ def _parse(layout: str, row: dict) -> tuple[str, list[str], dict]:
                 meta["context"] = _context(md["context"])
             if md.get("paragraphs"):
                 meta["paragraphs"] = _paragraphs(md["paragraphs"])
-    answers = split_answers(answers)
-    if not answers:
+    if not (answers := split_answers(answers)):
         raise _RowError("no non-empty answer")
     return q, answers, meta
 
 
-_ID_KEYS = ("_id", "id", "idx", "QuestionId", "question_id")
-
-
 def _row_id(row: dict) -> str | None:
-    ids = (str(v).strip() for k in _ID_KEYS if isinstance(v := row.get(k), (str, int)) and not isinstance(v, bool))
+    ids = (str(v).strip() for k in ("_id", "id", "idx", "QuestionId", "question_id")
+           if isinstance(v := row.get(k), (str, int)) and not isinstance(v, bool))
     return next((i for i in ids if i), None)
 
 
@@ -445,12 +426,12 @@ def load_tasks(spec: str, cfg: DataConfig | None = None, limit: int | None = Non
     if spec.split(":")[0] == "synthetic":
         part = spec.split(":", 1)[1] if ":" in spec else "all"
         w = world.make_world(cfg.synthetic_seed, cfg.synthetic_entities, cfg.synthetic_tasks)
-        kinds = lambda ts: [t for t in ts if not cfg.synthetic_kinds or t.meta["kind"] in cfg.synthetic_kinds]  # noqa: E731
         train, held = world.split(w.tasks, cfg.synthetic_heldout)
-        parts = {"all": kinds(w.tasks), "train": kinds(train), "heldout": kinds(held)}
+        parts = {"all": w.tasks, "train": train, "heldout": held}
         if part not in parts:
             raise DataError(f"data spec {spec!r}: expected synthetic, synthetic:train or synthetic:heldout")
-        return Tasks(parts[part][:limit], source=f"synthetic(seed={cfg.synthetic_seed}, "
+        tasks = [t for t in parts[part] if not cfg.synthetic_kinds or t.meta["kind"] in cfg.synthetic_kinds]
+        return Tasks(tasks[:limit], source=f"synthetic(seed={cfg.synthetic_seed}, "
                      f"entities={cfg.synthetic_entities}, tasks={cfg.synthetic_tasks}):{part}")
     if Path(spec).is_file():
         return load_file(spec, limit=limit, skip_bad_rows=cfg.skip_bad_rows)
@@ -517,11 +498,10 @@ def kilt_passages(title: str, paragraphs: list[str], words: int = 100) -> list[s
 
 
 def load_corpus(path: str | Path, passage_words: int = 100) -> list[dict]:
-    """Documents {id, title, text} of a JSONL/JSON/parquet corpus in one of the forms
-    {id, title, text}, KILT {wikipedia_id?, wikipedia_title, text: [paragraphs]} (split into
-    passages of `passage_words` words, ids "<wikipedia_id or title>#<k>"), or wiki-18 DPR
-    {id, contents: '"Title"\\ntext'}. Raises DataError naming file and row for a bad row or a
-    repeated id."""
+    """Documents {id, title, text} of a JSONL/JSON/parquet corpus in one of the forms {id, title, text},
+    KILT {wikipedia_id?, wikipedia_title, text: [paragraphs]} (split into passages of `passage_words`
+    words, ids "<wikipedia_id or title>#<k>"), or wiki-18 DPR {id, contents: '"Title"\\ntext'}.
+    A bad row or a repeated id is a DataError naming file and row."""
     path = Path(path)
     stem = path.name.split(".")[0]
     docs, seen = [], {}
@@ -531,12 +511,12 @@ def load_corpus(path: str | Path, passage_words: int = 100) -> list[dict]:
                 raise row
             if not isinstance(row, dict):
                 raise _RowError(f"expected an object, got {type(row).__name__}")
+            rid = _row_id(row) or f"{stem}:{i}"
             if "contents" in row:
-                contents = row["contents"]
-                if not isinstance(contents, str):
+                if not isinstance(row["contents"], str):
                     raise _RowError("field 'contents' must be a string")
-                first, _, text = contents.partition("\n")
-                new = [(_row_id(row) or f"{stem}:{i}", first.strip().strip('"'), text.strip())]
+                first, _, text = row["contents"].partition("\n")
+                new = [(rid, first.strip().strip('"'), text.strip())]
             elif "wikipedia_title" in row:
                 if not isinstance(row.get("text"), list):
                     raise _RowError("KILT row: field 'text' must be a list of paragraphs")
@@ -547,7 +527,7 @@ def load_corpus(path: str | Path, passage_words: int = 100) -> list[dict]:
             elif "text" in row and "title" in row:
                 if not isinstance(row["text"], str) or not isinstance(row["title"], str):
                     raise _RowError("fields 'title' and 'text' must be strings")
-                new = [(_row_id(row) or f"{stem}:{i}", row["title"].strip(), row["text"].strip())]
+                new = [(rid, row["title"].strip(), row["text"].strip())]
             else:
                 raise _RowError(f"not a corpus row ({{id, title, text}}, KILT or wiki-18); fields: {sorted(row)[:12]}")
             for did, title, text in new:

@@ -17,12 +17,10 @@ A record (one line of results.jsonl):
      "lenient_f1": 1.0, "answered": true, "steps": 3, "seconds": 12.5, "error": "", "wall_s": 40.2,
      "grade": "correct", "judge": "<judge model>", "judge_error": ""}     (the last three when judged)
 
-Scoring (see `summarize`): EM and F1 are the official SQuAD / HotpotQA ones (`official_normalize`),
-best over the gold aliases, so tables compare with published numbers; lenient_em / lenient_f1 are the
-training reward's Unicode-aware scores. Per question they are averaged over its samples, then over
-questions; a file that mixes sources (FlashRAG / Search-R1 `data_source`) is also scored per source,
-with the mean over sources, as the papers print it. The judge (SimpleQA style) grades each sample
-correct / incorrect / not attempted; its verdict is kept in the record, so a resume never asks again.
+Scoring (see `summarize`, also per source for a mixed file, as the papers print it): EM and F1 are the
+official SQuAD / HotpotQA ones (`official_normalize`), best over the gold aliases, so tables compare with
+published numbers; lenient_em / lenient_f1 are the training reward's Unicode-aware scores. The judge
+(SimpleQA style) grades each sample correct / incorrect / not attempted, kept in the record for resumes.
 """
 
 from __future__ import annotations
@@ -60,11 +58,8 @@ def official_normalize(s: str) -> str:
     >>> official_normalize("The  U.S.A.!"), official_normalize("“Tokyo”")
     ('usa', '“tokyo”')
     """
-    s = "".join(ch for ch in s.lower() if ch not in _PUNCT)
+    s = "".join(ch for ch in s.lower() if ch not in string.punctuation)
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
-
-
-_PUNCT = set(string.punctuation)
 
 
 def official_em(prediction: str | None, golds: Iterable[str]) -> float:
@@ -123,6 +118,7 @@ def first_line(text: str) -> str:
 
 CORRECT, INCORRECT, NOT_ATTEMPTED = "correct", "incorrect", "not_attempted"
 GRADES = (CORRECT, INCORRECT, NOT_ATTEMPTED)
+_LETTER = dict(zip("ABC", GRADES))
 
 JUDGE_PROMPT = """You are grading an answer to a factual question. Compare the predicted answer with the gold \
 answer and choose one grade.
@@ -154,9 +150,6 @@ def judge_prompt(question: str, gold: str | Iterable[str], predicted: str | None
                                predicted=(predicted or "").strip() or "(no answer)")
 
 
-_LETTER = {"A": CORRECT, "B": INCORRECT, "C": NOT_ATTEMPTED}
-
-
 class JudgeParseError(ValueError):
     """The judge's reply names no grade; the message quotes the reply."""
 
@@ -177,16 +170,12 @@ def parse_grade(reply: str) -> str:
     bare = re.sub(r"[\s*_`'\"().:\[\]]+", "", text)
     if bare in _LETTER:
         return _LETTER[bare]
-    # "Grade: B", "answer is (A)", "verdict - **C**"
-    m = re.findall(r"(?i:grade|answer|verdict|choice)\W{0,4}(?i:is)?\W{0,4}\b([ABC])\b(?![\w'])", text)
-    if m:
-        return _LETTER[m[-1]]
-    # "A) CORRECT", "B. INCORRECT", or a letter alone on a line
-    m = re.findall(r"(?m)^\W*([ABC])\s*(?:[).:\]*`-]|$)", text)
-    if m:
-        return _LETTER[m[-1]]
-    m = re.findall(r"\b(NOT[_ ]ATTEMPTED|INCORRECT|CORRECT)\b", text)
-    if m:
+    # "Grade: B", "answer is (A)", "verdict - **C**"; then "A) CORRECT", "B. INCORRECT", or a letter alone on a line
+    for pattern in (r"(?i:grade|answer|verdict|choice)\W{0,4}(?i:is)?\W{0,4}\b([ABC])\b(?![\w'])",
+                    r"(?m)^\W*([ABC])\s*(?:[).:\]*`-]|$)"):
+        if m := re.findall(pattern, text):
+            return _LETTER[m[-1]]
+    if m := re.findall(r"\b(NOT[_ ]ATTEMPTED|INCORRECT|CORRECT)\b", text):
         return m[-1].lower().replace(" ", "_")
     raise JudgeParseError(f"no grade (A/B/C) in judge reply: {reply[:300]!r}")
 
@@ -194,12 +183,9 @@ def parse_grade(reply: str) -> str:
 async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]], judge: str, retries: int = 1) -> dict:
     """Grade a record's prediction with an LLM: {"grade": correct | incorrect | not_attempted, "judge":
     `judge` (the judge model's name, kept so that another judge grades again), "judge_error": ""}.
-
-    `generate_text(prompt) -> reply` is any async text generator (a chat endpoint, the inference
-    client). An unanswered prediction is not attempted without a call. A reply that names no grade
-    is asked again up to `retries` times, then counts as not attempted (as simple-evals counts it),
-    with the reply quoted in judge_error.
-    """
+    `generate_text(prompt) -> reply` is any async text generator (a chat endpoint, the inference client).
+    An unanswered prediction is not attempted without a call. A reply that names no grade is asked again
+    up to `retries` times, then counts as not attempted (as in simple-evals), quoted in judge_error."""
     fields = {"grade": NOT_ATTEMPTED, "judge": judge, "judge_error": ""}
     if has_answer(rec["prediction"]):
         prompt = judge_prompt(rec["question"], rec["answers"], rec["prediction"])
@@ -234,11 +220,10 @@ class ResultsFile(contextlib.AbstractContextManager):
             todo = [(t, s) for t in tasks for s in range(k) if (t.id, s) not in results.done]
             results.append(record)          # one line, flushed: a kill loses nothing finished
 
-    `by_key` holds the latest record of each (id, sample): a later line replaces an earlier one (a
-    retried env_error, a judged record). `done` holds the finished keys: samples that ended in env_error
-    (the sandbox or a tool backend failed after the collector's retries: not the model's doing) are not
-    done, so a rerun tries them again. A torn last line left by a kill is cut before appending. A second
-    process on the same folder gets an EvalError instead of interleaving lines.
+    `by_key` holds the latest record of each (id, sample): a later line replaces an earlier one (a retried
+    env_error, a judged record). `done` holds the finished keys: env_error samples (the sandbox or a tool
+    backend failed after the collector's retries, not the model) are not done, so a rerun retries them.
+    A torn last line is cut before appending. A second process on the folder gets an EvalError.
     """
 
     def __init__(self, path: str | Path):
@@ -282,8 +267,7 @@ def check_run_info(path: str | Path, info: dict) -> None:
             old = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise EvalError(f"{path}: not JSON ({e})") from None
-        diff = [k for k in sorted(set(old) | set(info)) if old.get(k) != info.get(k)]
-        if diff:
+        if diff := [k for k in sorted(set(old) | set(info)) if old.get(k) != info.get(k)]:
             shown = "; ".join(f"{k}: {old.get(k)!r} before, {info.get(k)!r} now" for k in diff)
             raise EvalError(f"{path.parent} holds results of a different evaluation ({shown}). "
                             "Pass another --out, or delete the folder to start over.")
@@ -376,20 +360,16 @@ def summarize(records: list[dict], k: int | None = None, judged: bool = False) -
         return sum(pass_at_k(len(rs), sum(map(correct, rs)), min(k, len(rs))) for rs in per_q) / len(per_q)
 
     answered = qmean(lambda r: float(r["answered"]))
-    m = {"questions": len(per_q), "samples": len(records), "k": k}
-    m.update({key: qmean(lambda r, key=key: float(r[key])) for key in ("em", "f1", "lenient_em", "lenient_f1")})
-    m.update({
-        "em_ci": wilson_interval(min(m["em"] * len(per_q), len(per_q)), len(per_q)),
-        "pass_at_k": rate_pass_at_k(lambda r: r["em"] == 1.0),
-        "answered": answered,
-        "not_attempted": 1.0 - answered,  # no answer submitted (the judge's own rate is under "judge")
-        "steps": None if any(r.get("steps") is None for r in records) else qmean(lambda r: float(r["steps"])),
-        "incomplete_questions": sum(len(rs) < k for rs in per_q),
-        "status": dict(sorted(Counter(r["status"] for r in records).items())),
-    })
+    m = {"questions": len(per_q), "samples": len(records), "k": k,
+         **{key: qmean(lambda r, key=key: float(r[key])) for key in ("em", "f1", "lenient_em", "lenient_f1")}}
+    m.update(em_ci=wilson_interval(min(m["em"] * len(per_q), len(per_q)), len(per_q)),
+             pass_at_k=rate_pass_at_k(lambda r: r["em"] == 1.0), answered=answered,
+             not_attempted=1.0 - answered,  # no answer submitted (the judge's own rate is under "judge")
+             steps=None if any(r.get("steps") is None for r in records) else qmean(lambda r: float(r["steps"])),
+             incomplete_questions=sum(len(rs) < k for rs in per_q),
+             status=dict(sorted(Counter(r["status"] for r in records).items())))
     if judged:
-        missing = [r["id"] for r in records if r.get("grade") not in GRADES]
-        if missing:
+        if missing := [r["id"] for r in records if r.get("grade") not in GRADES]:
             raise ValueError(f"summarize(judged=True): {len(missing)} records have no grade, e.g. {missing[0]!r}")
         c, w, na = (qmean(lambda r, g=g: float(r["grade"] == g)) for g in GRADES)
         aga = c / (c + w) if c + w > 0 else 0.0  # accuracy given attempted; F: its harmonic mean with accuracy
@@ -447,9 +427,8 @@ def _cell(row: dict, key: str, fmt) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One row per evaluation run (a summary.json's object): model, mode, bench, n, EM and its 95%
-    interval, F1, lenient EM, the judge columns if any row was judged, pass@k, answered, mean steps,
-    wall time. Rates are percentages.
+    """One row per evaluation run (a summary.json's object), one column per COLUMNS entry (the judge
+    ones only if a row was judged). Rates are percentages.
 
     >>> m = {"questions": 2, "em": 0.5, "em_ci": [0.1, 0.9], "f1": 0.75, "lenient_em": 0.5, "pass_at_k": 0.5,
     ...      "answered": 1.0, "steps": 2.5, "k": 1}
