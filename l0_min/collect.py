@@ -6,21 +6,18 @@
 
 Failure handling (after the ROLL team's notes on agentic RL at scale):
 - environment failures (the sandbox did not start, the host killed the kernel, a search / page
-  backend failed or stalled during the episode; not a kernel the agent's own code killed, which is
-  its failure, kernel_crashed) are retried up to `rollout.max_retries` times on a fresh kernel;
-  after that the episode is kept as a masked placeholder: zero training weight, counted in the
-  metrics (`Episode.masked`, `batch.stats["episodes_masked"]`);
-- episodes that run out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout)
-  are dropped from the batch while the dropped fraction stays under rollout.max_dropped_frac;
-  past the cap they are kept and trained as the failures they are;
-- inference failures pause the episode and retry it while the server comes back; a server that
-  stays unreachable for inference.down_after seconds ends the run with InferenceDown (the
-  InferenceClient has already retried for up to down_after before an episode sees the failure).
-  An inference failure while the server answers /health (a refused request, an unusable
+  backend failed or stalled; not a kernel the agent's own code killed: kernel_crashed) are retried
+  up to `rollout.max_retries` times on a fresh kernel, then kept as a masked placeholder: zero
+  training weight, counted in the metrics (`Episode.masked`, `batch.stats["episodes_masked"]`);
+- episodes out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout) are
+  dropped while the dropped fraction stays under rollout.max_dropped_frac, then trained as failures;
+- inference failures pause the episode while the server comes back; a server unreachable for
+  inference.down_after seconds ends the run with InferenceDown (the InferenceClient has already
+  retried that long). A failure while the server answers /health (a refused request, an unusable
   response) is retried like an environment failure, then masked, instead of looping forever;
-- dynamic sampling drops groups whose core reward (the answer reward) has no variance and keeps
-  drawing tasks until the batch is full, with at most rollout.max_extra_groups extra groups; if the
-  cap is reached, the batch is topped up with dropped groups so its size stays fixed.
+- dynamic sampling drops groups whose core reward (the answer reward) has no variance and draws
+  tasks until the batch is full, with at most rollout.max_extra_groups extra groups; past the cap,
+  the batch is topped up with dropped groups so its size stays fixed.
 Episodes are consumed as they finish, never in lock step: a group completes when its last episode
 does, and up to rollout.max_concurrency episodes are in flight at any time.
 """
@@ -28,6 +25,7 @@ does, and up to rollout.max_concurrency episodes are in flight at any time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -89,10 +87,8 @@ async def _attempt(env: Env, task: Task) -> tuple[Episode, list[str]]:
         return Episode(task, status=ENV_ERROR, error=f"{type(e).__name__}: {e}"), []
     finally:
         if kernel is not None:
-            try:
+            with contextlib.suppress(Exception):
                 await env.kernels.release(kernel)
-            except Exception:
-                pass
 
 
 async def _healthy(env: Env) -> bool:
@@ -134,7 +130,8 @@ async def run_one(env: Env, task: Task, group: int = 0, sample: int = 0) -> Epis
         while True:
             ep, backend_errors = await _attempt(env, task)
             if backend_errors and ep.status not in (ENV_ERROR, INFERENCE_ERROR):  # a tool backend failed under it
-                ep.status, ep.error = ENV_ERROR, f"{len(backend_errors)} tool backend failure(s), the first: {backend_errors[0]}"
+                ep.status = ENV_ERROR
+                ep.error = f"{len(backend_errors)} tool backend failure(s), the first: {backend_errors[0]}"
             if ep.status == INFERENCE_ERROR:
                 if await _wait_for_server(env):  # an outage that ended; raises InferenceDown if it does not
                     continue
@@ -147,21 +144,18 @@ async def run_one(env: Env, task: Task, group: int = 0, sample: int = 0) -> Epis
             if ep.status == ENV_ERROR and env_failures < retries:
                 env_failures += 1
                 env.counters["env_retries"] += 1
-                log.warning("episode of task %s: environment failure: %s; retrying on a fresh kernel", task.id, ep.error)
+                log.warning("episode of task %s: environment failure: %s; retrying on a fresh kernel",
+                            task.id, ep.error)
                 continue
             break
     ep.group, ep.sample = group, sample
-    ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # a placeholder after max_retries: zero weight, kept for stats
+    ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # after max_retries: a zero-weight placeholder for stats
     score_episode(ep, env.cfg.reward)
     return ep
 
 
-async def run_tasks(
-    env: Env,
-    tasks: list[Task],
-    n_samples: int = 1,
-    on_episode: Callable[[Episode], Awaitable[None] | None] | None = None,
-) -> list[Episode]:
+async def run_tasks(env: Env, tasks: list[Task], n_samples: int = 1,
+                    on_episode: Callable[[Episode], Awaitable[None] | None] | None = None) -> list[Episode]:
     """Every task `n_samples` times (no filtering, no dropping): rollout.py and evaluate.py.
 
     `on_episode` is called as each episode finishes (write it out, update a progress line).
@@ -170,10 +164,9 @@ async def run_tasks(
 
     async def one(i: int, task: Task, s: int) -> Episode:
         ep = await run_one(env, task, i, s)
-        if on_episode is not None:
-            r = on_episode(ep)
-            if asyncio.iscoroutine(r):
-                await r
+        r = on_episode(ep) if on_episode is not None else None
+        if asyncio.iscoroutine(r):
+            await r
         return ep
 
     jobs = [asyncio.create_task(one(i, t, s)) for i, t in enumerate(tasks) for s in range(n_samples)]
@@ -244,7 +237,7 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
             await _cancel(jobs)
 
     kept: list[list[Episode]] = []
-    dropped: list[list[Episode]] = []
+    dropped: list[list[Episode]] = []  # by dynamic sampling, for topping up
     running: set[asyncio.Task] = set()
     extra_left = rc.max_extra_groups if dynamic_sampling else 0
 
@@ -272,15 +265,15 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
                 if not eps:
                     launch()
                     continue
-                if dynamic_sampling and not all(algo.dynamic_sampling_keep([core_reward(e) for e in eps], [0] * len(eps))):
+                rewards = [core_reward(e) for e in eps]
+                if dynamic_sampling and not all(algo.dynamic_sampling_keep(rewards, [0] * len(eps))):
                     stats["groups_dropped_ds"] += 1
                     dropped.append(eps)
                     if extra_left > 0:
                         extra_left -= 1
                         launch()
                     continue
-                if len(kept) < rc.batch_size:
-                    kept.append(eps)
+                kept.append(eps)
             # keep enough groups in flight to fill the batch
             while len(kept) + len(running) < rc.batch_size and (extra_left > 0 or not dynamic_sampling):
                 if dynamic_sampling:
@@ -292,16 +285,14 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
     while len(kept) < rc.batch_size and dropped:  # the extra-generation cap was reached
         kept.append(dropped.pop())
         stats["groups_topped_up"] += 1
-    episodes = [e for i, eps in enumerate(kept) for e in eps]
     for gi, eps in enumerate(kept):  # renumber groups 0..batch_size-1 for the advantage functions
         for e in eps:
             e.group = gi
+    episodes = [e for eps in kept for e in eps]
     stats["episodes_masked"] = sum(e.masked for e in episodes)
     stats.update({k: env.counters[k] - counters0.get(k, 0) for k in env.counters})
-    stats["rollout_seconds"] = time.perf_counter() - t0
-    stats["task_position"] = stream.position
+    stats.update(rollout_seconds=time.perf_counter() - t0, task_position=stream.position)
     return Batch(episodes, stats)
-
 
 
 class Batches:
@@ -336,6 +327,7 @@ class Batches:
         if self.producer is not None:
             self.producer.cancel()
             await asyncio.gather(self.producer, return_exceptions=True)
+
 
 def drop_stale(episodes: list[Episode], version: int, max_lag: int) -> tuple[list[Episode], dict]:
     """Keep the episodes whose every action came from weights at most `max_lag` updates older than

@@ -22,6 +22,7 @@ import math
 import os
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 from l0_min.episode import ANSWERED, STATUSES, Episode
@@ -49,7 +50,8 @@ class RunDir:
             raise ValueError(f"trajectory file prefix must be letters, digits or '-', got {prefix!r}")
         return self.trajectories / f"{prefix}_{step:05d}.jsonl"
 
-    def write_trajectories(self, step: int, episodes: list[Episode], prefix: str = "step", append: bool = False) -> Path:
+    def write_trajectories(self, step: int, episodes: list[Episode], prefix: str = "step",
+                           append: bool = False) -> Path:
         """Write one Episode.to_json() per line; overwrites the step's file unless append=True."""
         path = self.trajectory_path(step, prefix)
         with open(path, "a" if append else "w", encoding="utf-8") as f:
@@ -69,11 +71,9 @@ def write_jsonl(f, record: dict) -> None:
 
 def open_jsonl(path: str | Path):
     """Open a JSONL file for appending, after cutting away a torn last line left by a kill."""
-    path = Path(path)
-    if path.exists() and path.stat().st_size:
-        data = path.read_bytes()
-        if not data.endswith(b"\n"):
-            os.truncate(path, data.rfind(b"\n") + 1)
+    data = Path(path).read_bytes() if Path(path).exists() else b""
+    if data and not data.endswith(b"\n"):
+        os.truncate(path, data.rfind(b"\n") + 1)
     return open(path, "a", encoding="utf-8")
 
 
@@ -112,9 +112,8 @@ def _mean(xs: list[float]) -> float | None:
 def batch_metrics(episodes: list[Episode]) -> dict:
     """Flat, named statistics of one RL step's episodes (pure: no I/O, no clock).
 
-    Rewards (`reward`, `reward/<component>`) are means over the episodes that train, i.e. not
-    `masked`; a component is averaged over the episodes that report it. Everything else counts
-    all episodes, masked ones included, because failures are what those numbers are for.
+    Rewards are means over the episodes that train (not `masked`), a component over those that report
+    it; everything else counts all episodes, masked ones included: failures are what those are for.
 
     keys:
       episodes, masked                        counts
@@ -143,12 +142,9 @@ def batch_metrics(episodes: list[Episode]) -> dict:
     train = [ep for ep in episodes if not ep.masked]
     m: dict = {"episodes": n, "masked": n - len(train), "reward": _mean([ep.reward for ep in train])}
 
-    components = sorted({k for ep in train for k, v in ep.rewards.items() if _is_number(v)})
-    for k in components:
+    for k in sorted({k for ep in train for k, v in ep.rewards.items() if _is_number(v)}):
         m[f"reward/{k}"] = _mean([float(ep.rewards[k]) for ep in train if _is_number(ep.rewards.get(k))])
-
-    statuses = list(STATUSES) + sorted({ep.status for ep in episodes} - set(STATUSES))
-    for s in statuses:
+    for s in list(STATUSES) + sorted({ep.status for ep in episodes} - set(STATUSES)):
         m[f"status/{s}"] = sum(ep.status == s for ep in episodes)
     m["answered_rate"] = m[f"status/{ANSWERED}"] / n
 
@@ -156,14 +152,10 @@ def batch_metrics(episodes: list[Episode]) -> dict:
     tokens = [ep.n_action_tokens for ep in episodes]
     m["steps_per_ep/mean"], m["steps_per_ep/max"] = sum(steps) / n, max(steps)
     m["tokens_per_ep/mean"], m["tokens_per_ep/max"] = sum(tokens) / n, max(tokens)
-
-    tools: dict[str, int] = {}
+    tools = Counter()
     for ep in episodes:
-        for tool, count in ep.tool_calls.items():
-            tools[tool] = tools.get(tool, 0) + count
-    for tool in sorted(tools):
-        m[f"tools/{tool}"] = tools[tool]
-
+        tools.update(ep.tool_calls)
+    m.update({f"tools/{tool}": tools[tool] for tool in sorted(tools)})
     ran = [s.exec_ok for ep in episodes for s in ep.steps if s.exec_ok is not None]
     m["exec_steps"] = len(ran)
     m["exec_error_rate"] = (sum(ok is False for ok in ran) / len(ran)) if ran else None
@@ -217,8 +209,7 @@ class MetricsLogger:
         self.cfg = cfg if cfg is not None else LogConfig()
         self.sinks = ["jsonl"]
         self._file = open_jsonl(self.run_dir.metrics_jsonl)
-        self._tb = None
-        self._wandb = None
+        self._tb = self._wandb = None
         if self.cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -254,8 +245,7 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
-        if not self._file.closed:
-            self._file.close()
+        self._file.close()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
@@ -287,13 +277,13 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     fig = Figure(figsize=(13, 3.8), dpi=100, layout="constrained")
     axes = fig.subplots(1, 3)
     for ax, title in zip(axes, ("held-out EM", "training signal", "RL rates")):
-        ax.set_title(title)
-        ax.set_xlabel("learner step")
+        ax.set(title=title, xlabel="learner step")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         for phase, rs, color in (("SFT", sft, "tab:purple"), ("RL", rl, "tab:green")):
             if rs:
-                ax.axvspan(min(r["step"] for r in rs) - 1, max(r["step"] for r in rs), color=color, alpha=0.07, label=phase)
+                steps = [r["step"] for r in rs]
+                ax.axvspan(min(steps) - 1, max(steps), color=color, alpha=0.07, label=phase)
 
     def line(ax, rs, key, label, **kw):
         pts = [(r["step"], r[key]) for r in rs if _is_number(r.get(key))]
@@ -330,13 +320,9 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
 # the per-step table train.py prints
 
 _COLUMNS = [  # (header, metrics key, width, format)
-    ("step", None, 6, "d"),
-    ("reward", "reward", 8, ".3f"),
-    ("EM", "reward/em", 7, ".3f"),
-    ("format", "reward/format", 7, ".3f"),
-    ("exec", "reward/exec", 7, ".3f"),
-    ("steps/ep", "steps_per_ep/mean", 9, ".2f"),
-    ("tok/ep", "tokens_per_ep/mean", 8, ".0f"),
+    ("step", None, 6, "d"), ("reward", "reward", 8, ".3f"), ("EM", "reward/em", 7, ".3f"),
+    ("format", "reward/format", 7, ".3f"), ("exec", "reward/exec", 7, ".3f"),
+    ("steps/ep", "steps_per_ep/mean", 9, ".2f"), ("tok/ep", "tokens_per_ep/mean", 8, ".0f"),
     ("sec", "seconds", 8, ".1f"),
 ]
 
@@ -350,8 +336,5 @@ def format_step_row(step: int, metrics: dict) -> str:
       step  reward     EM format   exec steps/ep  tok/ep     sec
          3   0.500  0.250      -      -        -       -    12.3
     """
-    cells = []
-    for _, key, width, fmt in _COLUMNS:
-        v = step if key is None else metrics.get(key)
-        cells.append(f"{v:>{width}{fmt}}" if _is_number(v) else f"{'-':>{width}}")
-    return "".join(cells)
+    cells = [(step if key is None else metrics.get(key), width, fmt) for _, key, width, fmt in _COLUMNS]
+    return "".join(f"{v:>{w}{f}}" if _is_number(v) else f"{'-':>{w}}" for v, w, f in cells)

@@ -5,19 +5,18 @@
     r = await k.execute("x = 1; x + 1")  # ExecResult(result="2", ...), ~10 ms
     await k.shutdown()                   # no process, no workspace left
 
-jupyter_client does the protocol: an AsyncKernelManager started from our own kernelspec (its
-argv is the bwrap command line; interrupt_mode "message", because a signal to bwrap would kill
-the sandbox) and an AsyncKernelClient over the ipc transport. The kernel's sockets live in its
-sandbox (/run/l0), so the network namespace stays empty and no host folder is writable from
-inside; the host opens each once and never follows a path in there again (`_launched`).
+jupyter_client does the protocol: an AsyncKernelManager started from our own kernelspec (argv: the
+bwrap command line; interrupt_mode "message": a signal to bwrap would kill the sandbox) and an
+AsyncKernelClient over ipc. The kernel's sockets live in its sandbox (/run/l0), so the network
+namespace stays empty and no host folder is writable from inside; the host opens each once and
+never follows a path in there again (`_launched`).
 
-`execute` never raises for problems of the code it runs: errors, timeouts (interrupt, grace
-period, then kill) and a dead kernel are fields of the result; a death is the agent's own doing
-(`crashed`) unless the host caused it (`death`). What a kernel sends the host is bounded: zmq
-refuses messages over 4 MB, and the notepad is read trimmed. The kernel process is watched with
-a pidfd, so a death is noticed at once, with no polling and no thread per kernel. All kernels
-share one zmq context. If the host process itself is killed, its kernels die with it (bwrap
---die-with-parent) and the next process to start a kernel removes their leftover runtime folders.
+`execute` never raises for problems of the code it runs: errors, timeouts (interrupt, grace period,
+then kill) and a dead kernel are fields of the result; a death is the agent's own doing (`crashed`)
+unless the host caused it (`death`). What a kernel sends the host is bounded (zmq refuses messages
+over 4 MB; the notepad is read trimmed). A pidfd watches each kernel process: a death is noticed at
+once, with no polling and no thread per kernel. All kernels share one zmq context. Kernels die with
+a killed host (bwrap --die-with-parent); the next process to start one removes their runtime folders.
 """
 
 from __future__ import annotations
@@ -215,8 +214,7 @@ class Kernel:
         self._cgroup: cgroup.Cgroup | None = None
         self._sockets: list[int] = []  # O_PATH fds of the kernel's ipc sockets (zmq connects through them)
         self._killed_for = ""  # why the host killed it (a cell that ignored the interrupt)
-        self._lock = asyncio.Lock()
-        self._closed = False
+        self._lock, self._closed = asyncio.Lock(), False
 
     # ---------------------------------------------------------------- start
     async def start(self) -> None:
