@@ -132,7 +132,8 @@ def export_weights(step: int) -> Path:
     """Every rank (a collective): rank 0 writes the HF folder of this step's policy, in the serving dtype,
     under inference.weights_dir (a folder every server reads at the same path) or the run folder."""
     root = Path(cfg.inference.weights_dir).expanduser() / run.path.name if cfg.inference.weights_dir else run.path / "weights"
-    return learner.export_hf(root / f"step_{step:05d}", dtype=cfg.model.dtype)
+    dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32"}.get(cfg.model.dtype, cfg.model.dtype)
+    return learner.export_hf(root / f"step_{step:05d}", dtype=dtype)
 
 
 # ---------------------------------------------------------------------------------------------

