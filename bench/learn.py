@@ -3,7 +3,7 @@
     torchrun --nproc_per_node=2 bench/learn.py          # full: up to 5 minutes
     torchrun --nproc_per_node=2 bench/learn.py --quick  # the same, fewer steps (tests run this)
 
-The policy is a randomly initialised 2-layer Llama with a 16-word tokenizer (l0_min/toy.py). The
+The policy is a randomly initialised 2-layer Llama with a 16-word tokenizer (bench/toy.py). The
 environment (EchoEnv) shows 3 symbols one at a time and rewards echoing each; a random policy
 scores 1/16. Every piece is the one train.py uses: Episode records with sampled ids and log-probs,
 `training_rows` (REINFORCE++ step returns, batch-step-wise normalisation), the FSDP2 `Learner`
