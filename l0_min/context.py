@@ -68,27 +68,21 @@ class ChatFormat:
         if backend is None:
             return None
         probes = [wrapper, " leading space", "\n\nx = 1\nprint(x)\n", "<output>\ncafé 東京 ✓\n</output>\n[2 steps left]"]
-        for text in probes:
-            if backend.encode(text, add_special_tokens=False).ids != list(tokenizer.encode(text, add_special_tokens=False)):
-                return None
-        return backend
+        same = all(backend.encode(t, add_special_tokens=False).ids
+                   == list(tokenizer.encode(t, add_special_tokens=False)) for t in probes)
+        return backend if same else None
 
     def _wrapper(self) -> tuple[str, str]:
         act, obs = "\x00ACTION\x00", "\x00OBSERVATION\x00"
-        msgs = [
-            {"role": "system", "content": "s"},
-            {"role": "user", "content": "u"},
-            {"role": "assistant", "content": act},
-            {"role": "user", "content": obs},
-        ]
+        msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": act}, {"role": "user", "content": obs}]
         try:
             text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
         except Exception:  # a template that rejects this conversation: fall back to ChatML
-            return CHATML_BEFORE, CHATML_AFTER
+            text = ""
         if text.count(act) != 1 or text.count(obs) != 1 or text.index(act) > text.index(obs):
             return CHATML_BEFORE, CHATML_AFTER
-        tail = text[text.index(act) + len(act) :]
-        before, after = tail.split(obs)
+        before, after = text[text.index(act) + len(act) :].split(obs)
         return before, after
 
     def encode(self, text: str) -> list[int]:
@@ -114,12 +108,10 @@ class ChatFormat:
 
     def observation_ids(self, text: str, action_ids: list[int]) -> list[int]:
         before = self.before
-        if action_ids:
-            last = action_ids[-1]
-            if last in self.special_ids:
-                tok = self.tokenizer.convert_ids_to_tokens(last)
-                if tok and before.startswith(tok):
-                    before = before[len(tok) :]
+        if action_ids and action_ids[-1] in self.special_ids:
+            tok = self.tokenizer.convert_ids_to_tokens(action_ids[-1])
+            if tok and before.startswith(tok):
+                before = before[len(tok) :]
         return self.encode(before + text + self.after)
 
 
@@ -171,18 +163,14 @@ class ContextWatcher:
 
     def __init__(self, chat: ChatFormat, system: str, task_text: str, cfg: AgentConfig, max_new_tokens: int,
                  examples: tuple = ()):
-        self.chat = chat
-        self.system = system
-        self.task_text = task_text
+        self.chat, self.system, self.task_text = chat, system, task_text
         self.examples = tuple(examples)  # chat messages between the system and the task turn, kept on rebuild
         self.prefill_ids = chat.encode(cfg.prefill) if cfg.prefill else []
         self.max_tokens = cfg.max_context_tokens
         self.min_room = max(1, min(cfg.min_action_tokens, max_new_tokens))
-        self.keep_recent = cfg.keep_recent_steps
-        self.fill = cfg.rebuild_fill
+        self.keep_recent, self.fill = cfg.keep_recent_steps, cfg.rebuild_fill
         self.turns: list[_Turn] = []  # every appended step of the episode, also the dropped ones
-        self.segment = 0
-        self.truncations = 0
+        self.segment = self.truncations = 0
         self.dropped = 0  # steps not in the current context
         self.ids: list[int] = self._head(task_text)
 
@@ -230,11 +218,9 @@ class ContextWatcher:
     def rebuild_user_text(self, notepad: str, dropped: int) -> str:
         kept = len(self.turns) - dropped
         gone = "step 1 was" if dropped == 1 else f"steps 1-{dropped} were"
-        note = (
-            f"[Context rebuilt: {gone} dropped to save space"
-            + (f"; the last {kept} step(s) follow" if kept else "")
-            + ". Kernel variables and your notepad are kept.]"
-        )
+        note = (f"[Context rebuilt: {gone} dropped to save space"
+                + (f"; the last {kept} step(s) follow" if kept else "")
+                + ". Kernel variables and your notepad are kept.]")
         notepad = notepad.strip() or "(empty)"
         return f"{self.task_text}\n\n{note}\nNotepad:\n{notepad}"
 
@@ -248,19 +234,15 @@ class ContextWatcher:
         head_len = len(self._head(self.rebuild_user_text(notepad, n)))
         if head_len > limit:
             return False
-        # choose k recent steps, newest first
-        k, used = 0, head_len
+        k, used = 0, head_len  # choose k recent steps, newest first
         for turn in reversed(self.turns):
             need = len(turn.action_ids) + len(turn.obs_ids)
-            if used + need > limit:
-                break
-            if k >= self.keep_recent and used + need > self.fill * self.max_tokens:
+            if used + need > limit or (k >= self.keep_recent and used + need > self.fill * self.max_tokens):
                 break
             k, used = k + 1, used + need
         # the note's numbers change with k: shrink k until the exact rebuilt context fits
         while True:
-            head = self._head(self.rebuild_user_text(notepad, n - k))
-            ids = list(head)
+            ids = self._head(self.rebuild_user_text(notepad, n - k))
             for turn in self.turns[n - k :]:
                 ids += turn.action_ids + turn.obs_ids
             if len(ids) <= limit:
@@ -268,8 +250,7 @@ class ContextWatcher:
             if k == 0:
                 return False
             k -= 1
-        self.ids = ids
-        self.dropped = n - k
+        self.ids, self.dropped = ids, n - k
         self.segment += 1
         self.truncations += 1
         return True

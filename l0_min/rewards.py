@@ -39,9 +39,6 @@ from typing import Iterable
 from l0_min.config import RewardConfig
 from l0_min.episode import Episode
 
-# ---------------------------------------------------------------------------------------------
-# normalisation, EM, F1
-
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
@@ -132,7 +129,7 @@ def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
     if not has_answer(prediction):
         return 0.0
     p = normalize_answer(prediction)
-    return max(token_f1(p, normalize_answer(g)) if normalize_answer(g) else exact_match(prediction, [g]) for g in golds)
+    return max(token_f1(p, g_norm) if (g_norm := normalize_answer(g)) else exact_match(prediction, [g]) for g in golds)
 
 
 def has_answer(prediction: str | None) -> bool:
@@ -155,9 +152,6 @@ def answer_reward(prediction: str | None, golds: str | Iterable[str], em_weight:
     return em_weight * score + has_answer_weight * float(has_answer(prediction))
 
 
-# ---------------------------------------------------------------------------------------------
-# per-step format and execution
-
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 _CODE = re.compile(r"<code>(.*?)</code>", re.S)
 
@@ -178,15 +172,12 @@ def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5) -
     >>> format_ok("<think>look it up first</think><code>1</code><code>web_search('x')</code>")
     False
     """
-    text = action
-    if text.count("<code>") == text.count("</code>") + 1 and text.rfind("<code>") > text.rfind("</code>"):
-        text = text + "</code>"
+    opened = action.count("<code>") == action.count("</code>") + 1
+    text = action + "</code>" if opened and action.rfind("<code>") > action.rfind("</code>") else action
     thinks, codes = _THINK.findall(text), _CODE.findall(text)
-    if len(thinks) != 1 or len(codes) != 1 or text.count("<think>") != 1 or text.count("<code>") != 1:
-        return False
-    if text.index("</think>") > text.index("<code>"):
-        return False
-    return len(thinks[0].strip()) > min_think_chars and len(codes[0].strip()) > min_code_chars
+    return (len(thinks) == 1 and len(codes) == 1 and text.count("<think>") == 1 and text.count("<code>") == 1
+            and text.index("</think>") < text.index("<code>")
+            and len(thinks[0].strip()) > min_think_chars and len(codes[0].strip()) > min_code_chars)
 
 
 def exec_score(exec_oks: Iterable[bool | None]) -> float:
@@ -200,10 +191,6 @@ def exec_score(exec_oks: Iterable[bool | None]) -> float:
     """
     ran = [ok for ok in exec_oks if ok is not None]
     return sum(1 for ok in ran if ok) / len(ran) if ran else 0.0
-
-
-# ---------------------------------------------------------------------------------------------
-# the episode reward
 
 
 def score_episode(ep: Episode, cfg: RewardConfig) -> None:
@@ -236,13 +223,11 @@ def score_episode(ep: Episode, cfg: RewardConfig) -> None:
     em, f1 = exact_match(pred, task.answers), f1_score(pred, task.answers)
     if cfg.answer_metric not in ("em", "f1"):
         raise ValueError(f"reward.answer_metric must be 'em' or 'f1', got {cfg.answer_metric!r}")
-    answer = answer_reward(pred, task.answers, cfg.em_weight, cfg.has_answer_weight, f1 if cfg.answer_metric == "f1" else None)
-
-    n = len(ep.steps)
-    for s in ep.steps:
-        s.format_ok = format_ok(s.action_text, cfg.min_think_chars, cfg.min_code_chars)
-    m = sum(1 for s in ep.steps if s.exec_ok is not None)
+    answer = answer_reward(pred, task.answers, cfg.em_weight, cfg.has_answer_weight,
+                           f1 if cfg.answer_metric == "f1" else None)
+    n, m = len(ep.steps), sum(1 for s in ep.steps if s.exec_ok is not None)
     for i, s in enumerate(ep.steps):
+        s.format_ok = format_ok(s.action_text, cfg.min_think_chars, cfg.min_code_chars)
         r = cfg.format_weight * float(s.format_ok) / n
         if s.exec_ok is not None:
             r += cfg.exec_weight * float(s.exec_ok) / m
@@ -251,7 +236,6 @@ def score_episode(ep: Episode, cfg: RewardConfig) -> None:
         s.reward = r
     fmt = sum(float(s.format_ok) for s in ep.steps) / n if n else 0.0
     exe = exec_score(s.exec_ok for s in ep.steps)
-    total = cfg.answer_weight * answer + cfg.format_weight * fmt + cfg.exec_weight * exe
-    ep.reward = total
+    ep.reward = total = cfg.answer_weight * answer + cfg.format_weight * fmt + cfg.exec_weight * exe
     ep.rewards = {"answer": answer, "format": fmt, "exec": exe, "em": em, "f1": f1,
                   "has_answer": float(has_answer(pred)), "total": total}

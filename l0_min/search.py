@@ -47,9 +47,6 @@ def format_page(doc: dict) -> str:
     return f"{doc['title']}\n\n{doc['text']}"
 
 
-# ---------------------------------------------------------------------------------------------
-# local BM25
-
 STOPWORDS = frozenset(
     "a an and are as at be been but by did do does for from had has have he her his how i if in into is it its "
     "of on or she so than that the their them then there these they this those to was were what when where "
@@ -80,18 +77,17 @@ class BM25Backend:
         if not self.docs:
             raise ValueError("BM25Backend: no documents to index")
         first: dict[str, int] = {}  # id -> index of its document
+        self._by_title: dict[str, dict] = {}
+        self._by_title_folded: dict[str, dict] = {}
         for i, d in enumerate(self.docs):
             if not isinstance(d, dict) or not all(isinstance(d.get(k), str) for k in ("id", "title", "text")):
                 raise ValueError(f"document {i}: expected {{id, title, text}} strings, got {str(d)[:120]}")
             if d["id"] in first:
                 raise ValueError(f"document {i}: duplicate id {d['id']!r} (first at {first[d['id']]})")
             first[d["id"]] = i
-        self._by_id = {d["id"]: d for d in self.docs}
-        self._by_title: dict[str, dict] = {}
-        self._by_title_folded: dict[str, dict] = {}
-        for d in self.docs:
             self._by_title.setdefault(d["title"], d)
             self._by_title_folded.setdefault(d["title"].casefold().strip(), d)
+        self._by_id = {d["id"]: d for d in self.docs}
         self._bm25 = bm25s.BM25(k1=k1, b=b)
         self._bm25.index([tokenize(d["title"] + " " + d["text"]) for d in self.docs], show_progress=False)
 
@@ -110,10 +106,6 @@ class BM25Backend:
         ref = ref.strip()
         d = self._by_id.get(ref) or self._by_title.get(ref) or self._by_title_folded.get(ref.casefold())
         return format_page(d) if d else _not_found(ref)
-
-
-# ---------------------------------------------------------------------------------------------
-# HTTP backends
 
 
 class _Http:
@@ -191,10 +183,8 @@ class RetrieverClient(_Http):
             doc, score = (h["document"], h.get("score")) if isinstance(h, dict) and "document" in h else (h, None)
             if not isinstance(doc, dict):
                 raise SearchError(f"retriever {self.url}: hit {rank} is not a document: {str(h)[:200]}")
-            if isinstance(doc.get("contents"), str):
-                title, text = split_contents(doc["contents"])
-            else:
-                title, text = str(doc.get("title", "")), str(doc.get("text", ""))
+            title, text = (split_contents(doc["contents"]) if isinstance(doc.get("contents"), str)
+                           else (str(doc.get("title", "")), str(doc.get("text", ""))))
             d = {"id": str(doc.get("id", f"{title}#{rank}")), "title": title, "text": text,
                  "score": float(score) if score is not None else 1.0 / (rank + 1)}
             self._seen[d["id"]] = d
@@ -223,9 +213,7 @@ class JinaReader(_Http):
         ref = ref.strip()
         if not ref.startswith(("http://", "https://")):
             return f"read_page needs a web address (http://... or https://...) from web_search results, got {ref!r}."
-        headers = {"Accept": "text/plain"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
+        headers = {"Accept": "text/plain", **({"Authorization": f"Bearer {self.api_key}"} if self.api_key else {})}
         return await self._request("GET", f"{self.base_url}/{ref}", headers=headers)
 
 
@@ -269,10 +257,6 @@ def parse_serper(data: dict, k: int) -> list[dict]:
     out += [{"id": r.get("link", ""), "title": r.get("title", ""), "text": r.get("snippet", "")}
             for r in data.get("organic") or []]
     return [{**r, "score": 1.0 / (i + 1)} for i, r in enumerate(out[:k])]
-
-
-# ---------------------------------------------------------------------------------------------
-# choosing a backend from the config
 
 
 def make_backend(cfg: ToolsConfig, docs: list[dict] | None = None, env: dict | None = None):

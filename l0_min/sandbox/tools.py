@@ -130,8 +130,7 @@ class ToolServer:
 
     def close_episode(self, key: str) -> None:
         """Stop listening for this episode; its answer and counts stay readable for a while."""
-        entry = self._sites.pop(key, None)
-        if entry is None:
+        if (entry := self._sites.pop(key, None)) is None:
             return
         path, sock, _ = entry
         self._by_path.pop(path, None)
@@ -228,5 +227,4 @@ class ToolServer:
 
 
 def _reply(ok: bool, payload, status: int = 200) -> web.Response:
-    body = {"ok": True, "result": payload} if ok else {"ok": False, "error": payload}
-    return web.json_response(body, status=status)
+    return web.json_response({"ok": True, "result": payload} if ok else {"ok": False, "error": payload}, status=status)
