@@ -96,8 +96,7 @@ def task_prompt(task: Task, cfg: Config) -> str:
     return f"Task: {task.question}\nYou have {cfg.agent.max_steps} steps."
 
 
-# ---------------------------------------------------------------------------------------------
-# parsing an action
+# ---------------------------------------------------------------------------- parsing an action
 
 
 @dataclass
@@ -154,8 +153,7 @@ def sampling_params(cfg: Config, room: int) -> dict:
             "max_new_tokens": max(1, min(s.max_new_tokens, room)), "stop": [STOP]}
 
 
-# ---------------------------------------------------------------------------------------------
-# the episode
+# ---------------------------------------------------------------------------------- the episode
 
 
 async def run_episode(task: Task, policy: Policy, kernel: Kernel, tools: Tools, tokenizer, cfg: Config) -> Episode:

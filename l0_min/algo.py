@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 
-# ---------------------------------------------------------------------------------------------
-# returns and advantages
+# ----------------------------------------------------------------------- returns and advantages
 
 
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
@@ -143,8 +142,7 @@ def step_advantages(
     return [[a] * len(traj) for a, traj in zip(per_traj, step_rewards)]
 
 
-# ---------------------------------------------------------------------------------------------
-# filters and stabilisers
+# ---------------------------------------------------------------------- filters and stabilisers
 
 
 def dynamic_sampling_keep(core_rewards: list[float], groups: list[int]) -> list[bool]:

@@ -183,8 +183,7 @@ async def _cancel(jobs) -> None:
     await asyncio.gather(*jobs, return_exceptions=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# training batches
+# ----------------------------------------------------------------------------- training batches
 
 
 class TaskStream:

@@ -253,8 +253,7 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
 
-# ---------------------------------------------------------------------------------------------
-# loading, overriding, checking
+# ---------------------------------------------------------------- loading, overriding, checking
 
 
 def _check(value, tp, key: str):

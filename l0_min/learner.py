@@ -45,8 +45,7 @@ from l0_min import loss as losses
 from l0_min.config import AlgoConfig, LearnerConfig
 from l0_min.episode import Row
 
-# ---------------------------------------------------------------------------------------------
-# process group
+# -------------------------------------------------------------------------------- process group
 
 
 def init_distributed(backend: str = "auto") -> tuple[int, int, torch.device]:
@@ -90,8 +89,7 @@ def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) 
     return t.tolist()
 
 
-# ---------------------------------------------------------------------------------------------
-# packing
+# -------------------------------------------------------------------------------------- packing
 
 
 def pack_rows(rows: list[Row], budget: int) -> list[list[Row]]:
@@ -221,8 +219,7 @@ def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tens
     return logp.new_zeros(len(ids)).index_put((idx,), logp)
 
 
-# ---------------------------------------------------------------------------------------------
-# the learner
+# ---------------------------------------------------------------------------------- the learner
 
 
 def _lr_lambda(cfg: LearnerConfig, total_steps: int):

@@ -101,8 +101,7 @@ def read_episodes(path: str | Path) -> list[Episode]:
         raise ValueError(f"{path}: not an Episode record: {e}") from None
 
 
-# ---------------------------------------------------------------------------------------------
-# one step's numbers
+# --------------------------------------------------------------------------- one step's numbers
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -169,8 +168,7 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-# ---------------------------------------------------------------------------------------------
-# sinks
+# ---------------------------------------------------------------------------------------- sinks
 
 
 def _jsonable(v):
@@ -260,8 +258,7 @@ class MetricsLogger:
         self.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# plot
+# ----------------------------------------------------------------------------------------- plot
 
 
 def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
@@ -316,8 +313,7 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     return out_png
 
 
-# ---------------------------------------------------------------------------------------------
-# the per-step table train.py prints
+# ----------------------------------------------------------- the per-step table train.py prints
 
 _COLUMNS = [  # (header, metrics key, width, format)
     ("step", None, 6, "d"), ("reward", "reward", 8, ".3f"), ("EM", "reward/em", 7, ".3f"),

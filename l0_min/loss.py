@@ -67,8 +67,7 @@ def policy_loss(
     return -(surrogate * mask).sum() / max(n_tokens_global, 1.0)
 
 
-# ---------------------------------------------------------------------------------------------
-# the behaviour policy: the sampler's log-probs (behav) against the learner's at the start of the step (prox)
+# ---- the behaviour policy: the sampler's log-probs (behav) against the learner's at the start of the step (prox)
 
 
 def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float = 0.0,

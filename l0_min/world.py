@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 
 from l0_min.episode import Task
 
-# ---------------------------------------------------------------------------------------------
-# names
+# ---------------------------------------------------------------------------------------- names
 
 _ONSETS = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "gr", "kr",
            "tr", "st", "th"]
@@ -88,8 +87,7 @@ def _root(rng: random.Random, syllables: int) -> str:
     return s.capitalize()
 
 
-# ---------------------------------------------------------------------------------------------
-# entities and their pages
+# --------------------------------------------------------------------- entities and their pages
 
 
 @dataclass
@@ -202,8 +200,7 @@ def _pages(people, cities, orgs) -> dict[str, dict[str, str]]:
     return pages
 
 
-# ---------------------------------------------------------------------------------------------
-# questions
+# ------------------------------------------------------------------------------------ questions
 
 
 def _num_answers(n: int, unit: str = "") -> list[str]:
@@ -377,8 +374,7 @@ def split(tasks: list[Task], held_out: float = 0.2) -> tuple[list[Task], list[Ta
     return train, test
 
 
-# ---------------------------------------------------------------------------------------------
-# the expert: a scripted solver that writes real NB-Agent steps (the SFT cold start's episodes)
+# ---- the expert: a scripted solver that writes real NB-Agent steps (the SFT cold start's episodes)
 
 
 @functools.lru_cache(maxsize=8)

@@ -126,8 +126,7 @@ class _Bounded:
         return trim(self.text, 2 * self.limit), self.trimmed or len(self.text) > 2 * self.limit
 
 
-# ---------------------------------------------------------------------------------------------
-# process-wide plumbing: one zmq context, enough file descriptors
+# ------------------------------ process-wide plumbing: one zmq context, enough file descriptors
 
 @functools.cache
 def zmq_context() -> zmq.asyncio.Context:

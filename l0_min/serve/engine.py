@@ -96,8 +96,7 @@ class EngineError(RuntimeError):
     pass
 
 
-# ---------------------------------------------------------------------------------------------
-# sampling
+# ------------------------------------------------------------------------------------- sampling
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
@@ -130,8 +129,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
     return ids, logp.gather(1, ids[:, None]).squeeze(1)
 
 
-# ---------------------------------------------------------------------------------------------
-# KV cache helpers: a DynamicCache is a list of layers with .keys/.values [B, H, L, D]
+# --------- KV cache helpers: a DynamicCache is a list of layers with .keys/.values [B, H, L, D]
 
 
 class GrowingLayer(DynamicLayer):
@@ -264,8 +262,7 @@ class PrefixCache:
         self.version += 1
 
 
-# ---------------------------------------------------------------------------------------------
-# the engine
+# ----------------------------------------------------------------------------------- the engine
 
 
 class Engine:

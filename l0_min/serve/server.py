@@ -67,8 +67,7 @@ class RequestError(ValueError):
         self.schema = schema
 
 
-# ---------------------------------------------------------------------------------------------
-# request schema: GenerateReqInput and SamplingParams fields (sglang/srt/managers/io_struct.py,
+# ---- request schema: GenerateReqInput and SamplingParams fields (sglang/srt/managers/io_struct.py,
 # sglang/srt/sampling/sampling_params.py)
 
 # accepted and without effect here
@@ -239,8 +238,7 @@ def render(seq, rid: str, tokenizer, return_logprob: bool, text_in_logprobs: boo
     return {"text": text, "output_ids": list(ids), "meta_info": meta}
 
 
-# ---------------------------------------------------------------------------------------------
-# the HTTP app
+# --------------------------------------------------------------------------------- the HTTP app
 
 
 class UpdateLock:
@@ -422,8 +420,7 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
     return app
 
 
-# ---------------------------------------------------------------------------------------------
-# entry point
+# ---------------------------------------------------------------------------------- entry point
 
 
 def parse_args(argv=None):
@@ -496,8 +493,7 @@ def main(argv=None) -> None:
     asyncio.run(_serve(args))
 
 
-# ---------------------------------------------------------------------------------------------
-# starting it from another process
+# ------------------------------------------------------------- starting it from another process
 
 
 class ServerStartError(RuntimeError):
