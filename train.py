@@ -14,7 +14,6 @@ SIGINT / SIGTERM finish cleanly: a checkpoint of the last completed step, then e
 import argparse
 import asyncio
 import contextlib
-import copy
 import dataclasses
 import datetime
 import os
@@ -132,8 +131,7 @@ def export_weights(step: int) -> Path:
     """Every rank (a collective): rank 0 writes the HF folder of this step's policy, in the serving dtype,
     under inference.weights_dir (a folder every server reads at the same path) or the run folder."""
     root = Path(cfg.inference.weights_dir).expanduser() / run.path.name if cfg.inference.weights_dir else run.path / "weights"
-    dtype = {"auto": "bfloat16" if device.type == "cuda" else "float32"}.get(cfg.model.dtype, cfg.model.dtype)
-    return learner.export_hf(root / f"step_{step:05d}", dtype=dtype)
+    return learner.export_hf(root / f"step_{step:05d}", dtype=cfg.model.serving_dtype(device.type == "cuda"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,10 +185,8 @@ if rank0:
         greedy = cfg.run.eval_greedy and (step > 0 or sft_steps == 0)
         for mode in ("sampled", "greedy") if greedy else ("sampled",):
             t0, key = time.perf_counter(), "eval/" if mode == "sampled" else "eval/greedy/"
-            env_m = env
-            if mode == "greedy":
-                env_m = dataclasses.replace(env, cfg=copy.deepcopy(cfg))
-                env_m.cfg.sampling.temperature = 0.0
+            env_m = env if mode == "sampled" else dataclasses.replace(
+                env, cfg=dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.0)))
             eps = runner.run(run_tasks(env_m, list(eval_tasks), cfg.run.eval_samples))
             run.write_trajectories(step, eps, prefix="eval" if mode == "sampled" else "eval-greedy")
             m = summarize([record_from_episode(e) for e in eps])

@@ -48,6 +48,10 @@ class ModelConfig:
     path: str = "tiny-random"
     dtype: str = "auto"  # exported weights and embedded server: float32 | bfloat16 | auto (bfloat16 with CUDA)
 
+    def serving_dtype(self, cuda: bool) -> str:
+        """The dtype the servers load: `dtype`, with auto = bfloat16 on CUDA, float32 on CPU."""
+        return ("bfloat16" if cuda else "float32") if self.dtype == "auto" else self.dtype
+
 
 @dataclass
 class SandboxConfig:

@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 def start_embedded_server(cfg: Config, model_path: str | Path, log_dir: str | Path | None = None):
     """Start `python -m l0_min.serve` on the model; returns (process, url)."""
     log_path = Path(log_dir) / "server.log" if log_dir else None
-    args = ["--dtype", "float32" if cfg.model.dtype == "auto" else cfg.model.dtype, *cfg.inference.embedded_args]
+    args = ["--dtype", cfg.model.serving_dtype(cuda=False), *cfg.inference.embedded_args]
     if "--threads" not in args:
         # leave a core to the kernels and the event loop: on 2 cores, 2 server threads contending with
         # them ran 2.2x slower than 1 (6 requests x 32 tokens: 28.5 s vs 12.7 s)
