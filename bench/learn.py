@@ -90,4 +90,5 @@ if rank == 0:
     print(f"final reward on 512 fresh episodes={final_reward:.3f} in {elapsed:.0f} s")
     print(f"RESULT final_reward={final_reward:.3f} target >= {TARGET} {'MET' if final_reward >= TARGET else 'SHORT'}")
     print(f"RESULT seconds={elapsed:.0f} target <= {TIME_LIMIT:.0f} {'MET' if elapsed <= TIME_LIMIT else 'SHORT'}")
+dist.barrier()  # the other ranks wait for rank 0's evaluation: tearing gloo down under a live peer can abort
 dist.destroy_process_group()
