@@ -194,5 +194,6 @@ if rank0:
     shutil.rmtree(work, ignore_errors=True)
     print(f"{'PASS' if ok else 'FAIL'}: {sum(results)} of {len(results)} checks, {time.perf_counter() - T0:.0f} s", flush=True)
 ok = bool(from_rank0(ok))
+dist.barrier()  # wait for rank 0's last work: tearing gloo down under a live peer can abort
 dist.destroy_process_group()
 sys.exit(0 if ok else 1)

@@ -168,4 +168,5 @@ if rank == 0:
                       "keys_as_base": sorted(back.state_dict()) == sorted(base),
                       "base_changed": sum(not torch.equal(back.state_dict()[k], base[k]) for k in base)}
     out.write_text(json.dumps(report, indent=1))
+dist.barrier()  # wait for rank 0's last work: tearing gloo down under a live peer can abort
 dist.destroy_process_group()
