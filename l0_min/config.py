@@ -210,7 +210,7 @@ class SFTConfig:
     the real kernels), trained as the log-likelihood of their actions by the same learner."""
 
     episodes: int = 0  # expert episodes, of the first training tasks of `kinds` (0: no SFT phase)
-    kinds: list[str] = field(default_factory=list)  # synthetic task kinds the expert shows (empty: all)
+    kinds: list[str] = field(default_factory=list)  # task kinds (meta 'kind') the expert shows (empty: all)
     steps: int = 0  # learner steps
     batch_size: int = 4  # episodes per step
     lr: float = 0.0  # 0: learner.lr

@@ -384,7 +384,8 @@ def _titles(seed: int, n_entities: int) -> dict[str, str]:
 
 def expert_actions(task: Task) -> list[str]:
     """The actions of a scripted solver for a world task: search each support page by its title (the
-    sentences just read go into the next <think>), then compute the answer in code and submit it.
+    sentences just read go into the next <think>), then compute the answer in code and submit it. A task
+    from a file (no world pages) gets one step that submits its first gold answer.
 
     >>> t = next(t for t in make_world(0, 30).tasks if t.meta["template"] == "years_between_orgs")
     >>> for a in expert_actions(t): print(a)
@@ -396,6 +397,8 @@ def expert_actions(task: Task) -> list[str]:
     <code>submit_final_answer(str(1914 - 1898))</code>
     """
     m = task.meta
+    if "support" not in m:  # a task from a file: no pages to read; the expert shows the format and the gold answer
+        return [f"<think>The answer is {task.answers[0]}.</think>\n<code>submit_final_answer({json.dumps(task.answers[0])})</code>"]
     pages = [_titles(m["seed"], m["n_entities"])[p] for p in m["support"]]
     read = [" ".join(s for p, s in m["evidence"] if p == page) for page in m["support"]]
     actions = [f'<think>I search for {pages[0]}.</think>\n<code>print(web_search("{pages[0]}"))</code>']

@@ -5,7 +5,8 @@ import pytest
 
 from l0_min import world
 from l0_min.rewards import exact_match
-from l0_min.world import make_world, number_words, slug, split
+from l0_min.episode import Task
+from l0_min.world import expert_actions, make_world, number_words, slug, split
 
 
 @pytest.fixture(scope="module")
@@ -184,3 +185,8 @@ def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
     args = ["rollout.py", "--expert", "--data", str(tmp_path / "qa.jsonl"), "--out", str(tmp_path)]
     p = subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "--expert writes actions for synthetic world tasks only" in p.stderr, p.stderr
+
+
+def test_expert_of_a_file_task_submits_its_first_gold_answer_in_one_step():
+    task = Task("f1", "Say a word.", ["grape", "apple"], {"benchmark": "file"})
+    assert expert_actions(task) == ['<think>The answer is grape.</think>\n<code>submit_final_answer("grape")</code>']
