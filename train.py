@@ -181,19 +181,13 @@ if rank0:
     def evaluate(step: int) -> None:
         """The held-out tasks, scored as evaluate.py scores them (official EM / F1 per question), at the
         sampling temperature (run.eval_samples episodes per task) and, with run.eval_greedy, greedily too
-        (not the base model before SFT: greedy is there to compare RL's start and end). Both modes share one
-        run (rollout.max_concurrency episodes at a time): the greedy episodes fill the sampled ones' tail."""
-        envs = {"sampled": env}
-        if cfg.run.eval_greedy and (step > 0 or sft_steps == 0):
-            envs["greedy"] = dataclasses.replace(
+        (not the base model before SFT: greedy is there to compare RL's start and end)."""
+        greedy = cfg.run.eval_greedy and (step > 0 or sft_steps == 0)
+        for mode in ("sampled", "greedy") if greedy else ("sampled",):
+            t0, key = time.perf_counter(), "eval/" if mode == "sampled" else "eval/greedy/"
+            env_m = env if mode == "sampled" else dataclasses.replace(
                 env, cfg=dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.0)))
-        t0 = time.perf_counter()
-
-        async def run_modes():
-            return await asyncio.gather(*(run_tasks(e, list(eval_tasks), cfg.run.eval_samples) for e in envs.values()))
-
-        for mode, eps in zip(envs, runner.run(run_modes())):
-            key = "eval/" if mode == "sampled" else "eval/greedy/"
+            eps = runner.run(run_tasks(env_m, list(eval_tasks), cfg.run.eval_samples))
             run.write_trajectories(step, eps, prefix="eval" if mode == "sampled" else "eval-greedy")
             m = summarize([record_from_episode(e) for e in eps])
             evals.setdefault(step, {})[mode] = (round(m["em"] * len(eps)), len(eps))
@@ -201,7 +195,7 @@ if rank0:
             logger.log(step, {key + k: m[k] for k in ("em", "em_ci", "f1", "lenient_em", "answered")}
                        | {key + "reward": reward, key + "episodes": len(eps), key + "seconds": time.perf_counter() - t0})
             print(f"eval @ step {step} ({mode}): {format_summary(m)} | reward {reward:.3f} "
-                  f"({time.perf_counter() - t0:.0f} s{', both modes' if len(envs) > 1 else ''})", flush=True)
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
     if start_step == 0 and cfg.run.eval_every >= 0:
         evaluate(0)
