@@ -70,7 +70,7 @@ import torch.distributed as dist  # noqa: E402
 from l0_min.collect import Batches, InferenceDown, TaskStream, drop_stale, run_tasks  # noqa: E402
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
 from l0_min.evaluation import format_summary, record_from_episode, summarize, two_proportion_z_test  # noqa: E402
-from l0_min.learner import Learner, init_distributed, shard_rows  # noqa: E402
+from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
 from l0_min.log import STEP_HEADER, MetricsLogger, RunDir, batch_metrics, format_step_row, plot_rewards  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import rollout_env, settle_gc, sync_weights  # noqa: E402
@@ -203,6 +203,14 @@ if rank0:
         print(STEP_HEADER, flush=True)
 else:
     runner = None
+
+
+def on_every_rank(fn, *args, **kwargs):
+    """A collective step (learner update, export): rank 0 runs it in a thread, so its event loop goes on
+    meanwhile (episodes collected ahead, kernel starts, the tool server), the other ranks directly."""
+    return runner.run(asyncio.to_thread(fn, *args, **kwargs)) if rank0 else fn(*args, **kwargs)
+
+
 signal.signal(signal.SIGINT, on_signal)
 signal.signal(signal.SIGTERM, on_signal)
 
@@ -231,15 +239,15 @@ while step < sft_steps:
         save_checkpoint(step, position)
         stopped = True
         break
-    rows = shard_rows(payload, rank, world)  # on rank 0 in a thread: the event loop keeps its kernels starting
-    stats = runner.run(asyncio.to_thread(learner.train_step, rows, sft=True)) if rank0 else learner.train_step(rows, sft=True)
+    rows = shard_rows(payload, rank, world)
+    stats = on_every_rank(learner.train_step, rows, sft=True)
     step += 1
     if rank0:
         logger.log(step, {"phase": "sft", "seconds": time.perf_counter() - t_step} | {f"train/{k}": v for k, v in stats.items()})
         print(f"SFT step {step}: loss {stats['loss']:.4f}  {stats['tokens']:.0f} tokens  {time.perf_counter() - t_step:.1f} s",
               flush=True)
     if step == sft_steps:  # the servers get the SFT policy; RL starts with a fresh optimizer at its own lr
-        folder = runner.run(asyncio.to_thread(export_weights, step)) if rank0 else export_weights(step)
+        folder = on_every_rank(export_weights, step)
         if rank0:
             runner.run(sync_weights(env.policy, folder, str(step)))
             if cfg.run.eval_every >= 0:
@@ -274,12 +282,12 @@ while step < last and not stopped:
 
     # 5b. every rank: its share of the rows, one FSDP2 learner step (on rank 0 in a thread: episodes go on)
     rows = shard_rows(payload, rank, world)
-    stats = runner.run(asyncio.to_thread(learner.train_step, rows)) if rank0 else learner.train_step(rows)
+    stats = on_every_rank(learner.train_step, rows)
     step += 1
 
     # 5c. weight sync: export, then every inference server loads it and reports the version
     t_sync = time.perf_counter()
-    folder = runner.run(asyncio.to_thread(export_weights, step)) if rank0 else export_weights(step)
+    folder = on_every_rank(export_weights, step)
     if rank0:
         try:
             runner.run(sync_weights(env.policy, folder, str(step)))
@@ -321,6 +329,5 @@ if rank0:
         plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
         write_viewer(run.path, run.viewer_html, cfg.log.viewer_max_per_step or None)
     print(f"\nrun folder: {run.path}\n  metrics: {run.metrics_jsonl}\n  plot: {run.plots / 'rewards.png'}\n  viewer: {run.viewer_html}", flush=True)
-dist.barrier(group=control)  # the other ranks wait for rank 0's last evaluation before gloo is torn down
-dist.destroy_process_group()
+close_distributed(control)  # the control group: the other ranks may wait here through rank 0's last evaluation
 sys.exit(exit_code)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min import config as configlib  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
 from l0_min.inference import InferenceClient, episode_key  # noqa: E402
-from l0_min.learner import Learner, all_reduce, init_distributed, shard_rows, token_logprobs  # noqa: E402
+from l0_min.learner import Learner, all_reduce, close_distributed, init_distributed, shard_rows, token_logprobs  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import sync_weights  # noqa: E402
 from l0_min.serve.server import start_server_process, stop_server_process  # noqa: E402
@@ -194,6 +194,5 @@ if rank0:
     shutil.rmtree(work, ignore_errors=True)
     print(f"{'PASS' if ok else 'FAIL'}: {sum(results)} of {len(results)} checks, {time.perf_counter() - T0:.0f} s", flush=True)
 ok = bool(from_rank0(ok))
-dist.barrier()  # wait for rank 0's last work: tearing gloo down under a live peer can abort
-dist.destroy_process_group()
+close_distributed()
 sys.exit(0 if ok else 1)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min.config import Config  # noqa: E402
 from l0_min.episode import training_rows  # noqa: E402
-from l0_min.learner import Learner, init_distributed, shard_rows  # noqa: E402
+from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
 from bench.toy import EchoEnv, make_toy_model  # noqa: E402
 
 ap = argparse.ArgumentParser()
@@ -90,5 +90,4 @@ if rank == 0:
     print(f"final reward on 512 fresh episodes={final_reward:.3f} in {elapsed:.0f} s")
     print(f"RESULT final_reward={final_reward:.3f} target >= {TARGET} {'MET' if final_reward >= TARGET else 'SHORT'}")
     print(f"RESULT seconds={elapsed:.0f} target <= {TIME_LIMIT:.0f} {'MET' if elapsed <= TIME_LIMIT else 'SHORT'}")
-dist.barrier()  # the other ranks wait for rank 0's evaluation: tearing gloo down under a live peer can abort
-dist.destroy_process_group()
+close_distributed()  # the other ranks wait for rank 0's evaluation

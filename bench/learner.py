@@ -57,7 +57,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min.config import Config
 from l0_min.episode import Row
-from l0_min.learner import Learner, LogProbHead, init_distributed, pack_rows, shard_rows, token_logprobs
+from l0_min.learner import Learner, LogProbHead, close_distributed, init_distributed, pack_rows, shard_rows, token_logprobs
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--quick", action="store_true")
@@ -267,7 +267,7 @@ def main() -> None:
     dist.barrier()
     if rank == 0:
         shutil.rmtree(folder, ignore_errors=True)
-    dist.destroy_process_group()
+    close_distributed()
 
 
 main()

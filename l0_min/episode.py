@@ -105,7 +105,7 @@ def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> lis
     ([1, 2, 3, 4, 9, 5], [0.0, 0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0, 0.0, -1.0])
     """
     rows: list[Row] = []
-    by_seg: dict[int, list[int]] = {}
+    by_seg: dict[int, list[tuple[int, Step]]] = {}
     for i, s in enumerate(ep.steps):
         if s.action_ids:
             by_seg.setdefault(s.segment, []).append((i, s))

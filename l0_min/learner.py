@@ -71,6 +71,13 @@ def init_distributed(backend: str = "auto") -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def close_distributed(group=None) -> None:
+    """Leave the process group once every rank got here: a rank that tears gloo down while another still
+    works (rank 0's last evaluation) can abort it ("terminate called without an active exception")."""
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
 def check_gpu_free(device: torch.device, min_free: float = 0.5) -> None:
     """Stop with one line if another process (an inference server) already holds this GPU."""
     free, total = torch.cuda.mem_get_info(device)

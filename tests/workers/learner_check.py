@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from l0_min.config import Config  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
-from l0_min.learner import Learner, init_distributed, shard_rows  # noqa: E402
+from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
 from bench.toy import make_toy_model  # noqa: E402
 
 out, tmp = Path(sys.argv[1]), Path(sys.argv[2])
@@ -168,5 +168,4 @@ if rank == 0:
                       "keys_as_base": sorted(back.state_dict()) == sorted(base),
                       "base_changed": sum(not torch.equal(back.state_dict()[k], base[k]) for k in base)}
     out.write_text(json.dumps(report, indent=1))
-dist.barrier()  # wait for rank 0's last work: tearing gloo down under a live peer can abort
-dist.destroy_process_group()
+close_distributed()
