@@ -245,6 +245,7 @@ def direct_jobs(cfg, client, tokenizer, todo, finish) -> list:
 async def run(args, cfg, all_tasks, todo, unjudged, save, out: Path) -> None:
     """Generate the missing samples and judge the records this judge has not graded; save(record, episode)
     each one as it is done. The first error (a server down, a bad configuration) cancels the rest."""
+    from l0_min.envs import load_env
     from l0_min.runtime import policy_client, rollout_env
 
     async with contextlib.AsyncExitStack() as stack:
@@ -252,7 +253,9 @@ async def run(args, cfg, all_tasks, todo, unjudged, save, out: Path) -> None:
         if todo:
             tokenizer = load_tokenizer(cfg.model.path)
         if todo and args.mode == "agent":
-            env = await stack.enter_async_context(rollout_env(cfg, resolve_model(cfg.model.path), tokenizer, all_tasks, log_dir=out))
+            envs = {name: load_env(name, cfg) for name in {t.env for t in all_tasks}}  # qa; gsm8k: math
+            env = await stack.enter_async_context(rollout_env(cfg, resolve_model(cfg.model.path), tokenizer, all_tasks,
+                                                              envs, log_dir=out))
             policy = env.policy
         elif todo or args.judge_url == "self":
             policy = await stack.enter_async_context(policy_client(cfg, resolve_model(cfg.model.path), out))

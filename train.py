@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from l0_min import config as configlib
-from l0_min.data import load_tasks
+from l0_min.envs import load_sources
 
 
 def fail(msg: str) -> None:
@@ -53,29 +53,31 @@ except configlib.ConfigError as e:
 rank0 = int(os.environ.get("RANK", "0")) == 0
 sft_steps = cfg.sft.steps if cfg.sft.episodes else 0  # the SFT cold start's learner steps, then RL's
 last = sft_steps + cfg.run.steps
-if rank0:
+if rank0:  # each source's tasks in its environment (l0_min/envs: qa, math, files, or a module of yours)
     try:
-        train_tasks = load_tasks(cfg.data.train, cfg.data)
+        train_sources, weights, envs = load_sources(cfg.data.train, cfg)
     except Exception as e:
         fail(f"data.train: {e}")
     try:
-        eval_tasks = load_tasks(cfg.data.eval, cfg.data, limit=cfg.data.eval_limit) if cfg.run.eval_every >= 0 else []
+        eval_sources, _, eval_envs = load_sources(cfg.data.eval if cfg.run.eval_every >= 0 else [], cfg,
+                                                  limit=cfg.data.eval_limit)
     except Exception as e:
         fail(f"data.eval: {e}")
-    if not train_tasks:
-        fail(f"data.train={cfg.data.train!r} gave no tasks")
+    envs |= eval_envs
+    train_tasks, eval_tasks = [t for ts in train_sources for t in ts], [t for ts in eval_sources for t in ts]
 
 import torch.distributed as dist  # noqa: E402
 
-from l0_min.collect import Batches, InferenceDown, TaskStream, drop_stale, run_tasks  # noqa: E402
+from l0_min.collect import Batches, InferenceDown, TaskStream, run_tasks  # noqa: E402
+from l0_min.envs import ExpertPolicy  # noqa: E402
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
-from l0_min.evaluation import format_summary, record_from_episode, summarize, two_proportion_z_test  # noqa: E402
+from l0_min.evaluation import two_proportion_z_test  # noqa: E402
 from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
-from l0_min.log import STEP_HEADER, MetricsLogger, RunDir, batch_metrics, format_step_row, plot_rewards  # noqa: E402
+from l0_min.log import (MetricsLogger, RunDir, batch_metrics, eval_summaries, format_eval, format_step_row,  # noqa: E402
+                        plot_rewards, step_header)
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
-from l0_min.world import ExpertPolicy  # noqa: E402
 
 try:
     rank, world, device = init_distributed(cfg.learner.backend)
@@ -150,20 +152,22 @@ resumed_weights = export_weights(start_step) if start_step else None  # the serv
 if rank0:
     runner = asyncio.Runner()
     services = contextlib.AsyncExitStack()
-    stream = TaskStream(train_tasks, seed=cfg.run.seed, position=position)
+    stream = TaskStream(train_sources, weights, seed=cfg.run.seed, position=position)
     logger = MetricsLogger(run.path, cfg.log, config=configlib.to_dict(cfg))
     try:
-        env = runner.run(services.enter_async_context(
-            rollout_env(cfg, model_path, learner.tokenizer, list(train_tasks) + list(eval_tasks), log_dir=run.path)))
+        svc = runner.run(services.enter_async_context(
+            rollout_env(cfg, model_path, learner.tokenizer, train_tasks + eval_tasks, envs, log_dir=run.path)))
     except Exception as e:
         fail(f"could not start the rollout environment: {type(e).__name__}: {e}")
     settle_gc()
     if resumed_weights:
-        runner.run(sync_weights(env.policy, resumed_weights, str(start_step)))
+        runner.run(sync_weights(svc.policy, resumed_weights, str(start_step)))
 
     # overlap k >= 1: up to k batches are collected ahead while the learner trains (rank 0 runs the learner
     # step in a thread, so the event loop and its episodes go on); k = 0: strictly on-policy (the paper)
-    batches = Batches(env, stream, cfg.rollout, cfg.algo.dynamic_sampling, ahead=cfg.rollout.overlap)
+    batches = Batches(svc, stream, cfg.rollout, cfg.algo.dynamic_sampling)
+    train_envs = sorted({t.env for t in train_tasks})
+    header = step_header(train_envs, envs)
 
     async def until_stopped(coro):
         """Run `coro` unless a stop signal comes first (then it is cancelled and None returned)."""
@@ -176,31 +180,32 @@ if rank0:
             return None
         return job.result()
 
-    evals: dict[int, dict] = {}  # step -> {"sampled" | "greedy": (EM successes, episodes)}
+    evals: dict[int, dict] = {}  # step -> {(environment | "all", "sampled" | "greedy"): (successes, episodes)}
 
     def evaluate(step: int) -> None:
-        """The held-out tasks, scored as evaluate.py scores them (official EM / F1 per question), at the
-        sampling temperature (run.eval_samples episodes per task) and, with run.eval_greedy, greedily too
-        (not the base model before SFT: greedy is there to compare RL's start and end)."""
+        """The held-out tasks, scored by their environments: each one's headline metric with a 95% interval, per
+        environment and, with several, overall; at the sampling temperature (run.eval_samples episodes per
+        task) and, with run.eval_greedy, greedily too (not the base model before SFT: greedy is there to
+        compare RL's start and end)."""
         greedy = cfg.run.eval_greedy and (step > 0 or sft_steps == 0)
         for mode in ("sampled", "greedy") if greedy else ("sampled",):
             t0, key = time.perf_counter(), "eval/" if mode == "sampled" else "eval/greedy/"
-            env_m = env if mode == "sampled" else dataclasses.replace(
-                env, cfg=dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.0)))
-            eps = runner.run(run_tasks(env_m, list(eval_tasks), cfg.run.eval_samples))
+            svc_m = svc if mode == "sampled" else dataclasses.replace(
+                svc, cfg=dataclasses.replace(cfg, sampling=dataclasses.replace(cfg.sampling, temperature=0.0)))
+            eps = runner.run(run_tasks(svc_m, eval_tasks, cfg.run.eval_samples))
             run.write_trajectories(step, eps, prefix="eval" if mode == "sampled" else "eval-greedy")
-            m = summarize([record_from_episode(e) for e in eps])
-            evals.setdefault(step, {})[mode] = (round(m["em"] * len(eps)), len(eps))
-            reward = sum(e.reward for e in eps) / len(eps)
-            logger.log(step, {key + k: m[k] for k in ("em", "em_ci", "f1", "lenient_em", "answered")}
-                       | {key + "reward": reward, key + "episodes": len(eps), key + "seconds": time.perf_counter() - t0})
-            print(f"eval @ step {step} ({mode}): {format_summary(m)} | reward {reward:.3f} "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            record = {key + "seconds": time.perf_counter() - t0}
+            for name, m in eval_summaries(eps, envs).items():
+                evals.setdefault(step, {})[name, mode] = m["successes"], m["n"]
+                record |= {f"{key}{'' if name == 'all' else name + '/'}{k}": v for k, v in m.items()}
+                print(f"eval @ step {step} ({mode}{'' if name == 'all' else ', ' + name}): {format_eval(m)} "
+                      f"({record[key + 'seconds']:.0f} s)", flush=True)
+            logger.log(step, record)
 
     if start_step == 0 and cfg.run.eval_every >= 0:
         evaluate(0)
     if start_step >= sft_steps:
-        print(STEP_HEADER, flush=True)
+        print(header, flush=True)
 else:
     runner = None
 
@@ -211,19 +216,49 @@ def on_every_rank(fn, *args, **kwargs):
     return runner.run(asyncio.to_thread(fn, *args, **kwargs)) if rank0 else fn(*args, **kwargs)
 
 
+def learner_step(msg, sft: bool = False):
+    """Every rank: rank 0's message -> this rank's share of the rows -> one learner step; its stats, or
+    None after a checkpoint when the message was ("stop", exit code)."""
+    kind, payload = from_rank0(msg)
+    if kind == "stop":
+        save_checkpoint(step, position)  # the tasks of a batch cut short are drawn again after a resume
+        return None, payload
+    return on_every_rank(learner.train_step, shard_rows(payload, rank, world), sft=sft), 0
+
+
+def publish(step: int) -> int:
+    """Every rank: export this step's weights; rank 0 has every inference server load them. The exit code:
+    3 when the sync failed (the run checkpoints at the next message and stops with the reason)."""
+    folder = on_every_rank(export_weights, step)
+    if rank0:
+        try:
+            runner.run(sync_weights(svc.policy, folder, str(step)))
+        except Exception as e:
+            print(f"train.py: error: weight sync failed: {e}", file=sys.stderr, flush=True)
+            return 3
+    return 0
+
+
 signal.signal(signal.SIGINT, on_signal)
 signal.signal(signal.SIGTERM, on_signal)
 
 # ---------------------------------------------------------------------------------------------
-# 4. the SFT cold start (sft.episodes, sft.steps): expert episodes of training tasks (world.ExpertPolicy) run
-#    through the real kernels and tools; the learner takes the log-likelihood of their actions
+# 4. the SFT cold start (sft.episodes, sft.steps): expert episodes of training tasks (each environment's expert,
+#    envs.ExpertPolicy) run through the real kernels and tools; the learner takes the log-likelihood of their actions
 
 step, exit_code, stopped = start_step, 0, False
 if step < sft_steps:
-    if rank0:
-        shown = [t for t in train_tasks if not cfg.sft.kinds or t.meta.get("kind") in cfg.sft.kinds][: cfg.sft.episodes]
-        expert = dataclasses.replace(env, policy=ExpertPolicy(shown, learner.tokenizer, cfg.agent.prefill))
-        demos = [e for e in runner.run(run_tasks(expert, shown)) if e.rewards.get("em") == 1.0]  # the solved ones
+    if rank0:  # the first sft.episodes tasks of the training stream that have an expert (of sft.kinds: meta 'kind')
+        shown, seen, draws = [], set(), TaskStream(train_sources, weights, seed=cfg.run.seed)
+        while len(shown) < cfg.sft.episodes and draws.position < 100 * max(cfg.sft.episodes, len(train_tasks)):
+            t = draws.next()
+            if t.id not in seen and (not cfg.sft.kinds or t.meta.get("kind") in cfg.sft.kinds) \
+                    and envs[t.env].expert(t) is not None:
+                seen.add(t.id)
+                shown.append(t)
+        expert = dataclasses.replace(svc, policy=ExpertPolicy(shown, envs, learner.tokenizer, cfg.agent.prefill))
+        demos = [e for e in runner.run(run_tasks(expert, shown))  # the solved ones
+                 if e.rewards.get(envs[e.task.env].metrics[0]) == 1.0]
         run.write_trajectories(0, demos, prefix="sft")
         print(f"SFT: {len(demos)} expert episodes of {len(shown)} tasks ({', '.join(cfg.sft.kinds) or 'all kinds'}), "
               f"{sft_steps} steps of {cfg.sft.batch_size}", flush=True)
@@ -234,25 +269,21 @@ while step < sft_steps:
     msg = ("stop", exit_code) if rank0 and (stop.is_set() or not demos) else None
     if rank0 and msg is None:
         msg = ("rows", sft_rows([demos[(step * cfg.sft.batch_size + i) % len(demos)] for i in range(cfg.sft.batch_size)]))
-    kind, payload = from_rank0(msg)
-    if kind == "stop":
-        save_checkpoint(step, position)
-        stopped = True
+    stats, code = learner_step(msg, sft=True)
+    if stats is None:  # stopped: no RL steps follow
+        exit_code, stopped = code, True
         break
-    rows = shard_rows(payload, rank, world)
-    stats = on_every_rank(learner.train_step, rows, sft=True)
     step += 1
     if rank0:
         logger.log(step, {"phase": "sft", "seconds": time.perf_counter() - t_step} | {f"train/{k}": v for k, v in stats.items()})
         print(f"SFT step {step}: loss {stats['loss']:.4f}  {stats['tokens']:.0f} tokens  {time.perf_counter() - t_step:.1f} s",
               flush=True)
     if step == sft_steps:  # the servers get the SFT policy; RL starts with a fresh optimizer at its own lr
-        folder = on_every_rank(export_weights, step)
-        if rank0:
-            runner.run(sync_weights(env.policy, folder, str(step)))
+        exit_code = publish(step)
+        if rank0 and not exit_code:
             if cfg.run.eval_every >= 0:
                 evaluate(step)
-            print(STEP_HEADER, flush=True)
+            print(header, flush=True)
         learner.reset_optimizer(cfg.learner.lr, cfg.run.steps)
 
 # ---------------------------------------------------------------------------------------------
@@ -260,48 +291,37 @@ while step < sft_steps:
 
 while step < last and not stopped:
     t_step = time.perf_counter()
-    # 5a. rank 0 takes the next batch (drops episodes more than `overlap` versions old), then sends every rank
-    #     its rows, or "stop"
+    # 5a. rank 0 takes the next batch (episodes more than rollout.overlap versions old are dropped in it), then
+    #     sends every rank its rows, or "stop" (a stop signal, a failed sync, the servers gone)
     msg = None
     if rank0:
         try:
-            batch = None if stop.is_set() or exit_code else runner.run(until_stopped(batches.next()))
+            batch = None if stop.is_set() or exit_code else runner.run(until_stopped(batches.next(step)))
+            msg = ("stop", exit_code) if batch is None else ("rows", training_rows(batch.episodes, cfg.algo))
         except InferenceDown as e:
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-            batch, exit_code = None, 3
-        if batch is not None:
-            batch.episodes, stale = drop_stale(batch.episodes, step, cfg.rollout.overlap)
-            batch.stats |= stale
-            position = batch.stats["task_position"]  # where the stream stood after this batch's tasks
-        msg = ("stop", exit_code) if batch is None else ("rows", training_rows(batch.episodes, cfg.algo))
-    kind, payload = from_rank0(msg)
-    if kind == "stop":
-        exit_code = payload
-        save_checkpoint(step, position)  # the tasks of a batch cut short are drawn again after a resume
-        break
-
+            msg = ("stop", 3)
     # 5b. every rank: its share of the rows, one FSDP2 learner step (on rank 0 in a thread: episodes go on)
-    rows = shard_rows(payload, rank, world)
-    stats = on_every_rank(learner.train_step, rows)
+    stats, code = learner_step(msg)
+    if stats is None:
+        exit_code = code
+        break
     step += 1
+    if rank0:
+        position = batch.stats["task_position"]  # where the stream stood after this batch's tasks
 
     # 5c. weight sync: export, then every inference server loads it and reports the version
     t_sync = time.perf_counter()
-    folder = on_every_rank(export_weights, step)
+    exit_code = publish(step)
     if rank0:
-        try:
-            runner.run(sync_weights(env.policy, folder, str(step)))
-        except Exception as e:  # checkpoint at the next message, then stop with the reason
-            print(f"train.py: error: weight sync failed: {e}", file=sys.stderr, flush=True)
-            exit_code = 3
         # 5d. log: metrics, trajectories, the per-step table row, plot and viewer
-        metrics = {"phase": "rl"} | batch_metrics(batch.episodes) | {f"train/{k}": v for k, v in stats.items()}
+        metrics = {"phase": "rl"} | batch_metrics(batch.episodes, envs) | {f"train/{k}": v for k, v in stats.items()}
         metrics |= {f"rollout/{k}": v for k, v in batch.stats.items()}
         metrics |= {"rollout_seconds": batch.stats["rollout_seconds"], "sync_seconds": time.perf_counter() - t_sync,
                     "train_seconds": stats["train_seconds"], "seconds": time.perf_counter() - t_step}  # fmt: skip
         logger.log(step, metrics)
         run.write_trajectories(step, batch.episodes)
-        print(format_step_row(step, metrics), flush=True)
+        print(format_step_row(step, metrics, train_envs, envs), flush=True)
         plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
         write_viewer(run.path, run.viewer_html, cfg.log.viewer_max_per_step or None)
         if cfg.run.eval_every > 0 and (step - sft_steps) % cfg.run.eval_every == 0 and step < last and not exit_code:
@@ -315,12 +335,14 @@ while step < last and not stopped:
 if rank0:
     if step == last and not stop.is_set() and exit_code == 0 and cfg.run.eval_every >= 0:
         evaluate(step)
-    for name, a, b in (("SFT", 0, sft_steps), ("RL", sft_steps, last)):  # each phase's held-out gain, and its test
-        for mode in [m for m in evals.get(b, {}) if m in evals.get(a, {})] if a != b else ():  # modes run at both
-            (c1, n1), (c2, n2) = evals[b][mode], evals[a][mode]
+    for phase, a, b in (("SFT", 0, sft_steps), ("RL", sft_steps, last)):  # each phase's held-out gain, and its test
+        for name, mode in [k for k in evals.get(b, {}) if k in evals.get(a, {})] if a != b else ():  # run at both
+            (c1, n1), (c2, n2) = evals[b][name, mode], evals[a][name, mode]
             diff, _, p = two_proportion_z_test(c1, n1, c2, n2)
-            print(f"{name} phase ({mode}): held-out EM {c2 / n2:.3f} -> {c1 / n1:.3f} ({diff:+.3f}), "
-                  f"two-proportion z-test p = {p:.2g} (n = {n2} and {n1} episodes)", flush=True)
+            what = "all" if name == "all" else envs[name].metrics[0]
+            print(f"{phase} phase ({mode}{'' if name == 'all' and len(envs) == 1 else ', ' + name}): held-out {what} "
+                  f"{c2 / n2:.3f} -> {c1 / n1:.3f} ({diff:+.3f}), two-proportion z-test p = {p:.2g} "
+                  f"(n = {n2} and {n1} episodes)", flush=True)
     runner.run(batches.close())
     runner.run(services.aclose())
     runner.close()

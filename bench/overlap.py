@@ -29,8 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.scripted_policy import ScriptedPolicyServer
 from bench.stand_ins import FakeKernels
-from l0_min.collect import Batches, Env, TaskStream
+from l0_min.collect import Batches, Services, TaskStream
 from l0_min.config import Config
+from l0_min.envs.qa import QA
 from l0_min.episode import Task, training_rows
 from l0_min.inference import InferenceClient
 from l0_min.learner import Learner
@@ -59,12 +60,14 @@ async def run(ahead: int, latency: float, steps: int) -> dict:
     url = await server.start()
     kernels = FakeKernels()
     async with InferenceClient([url], cfg.inference, max_connections=64) as client:
-        batches = Batches(Env(cfg, client, kernels, kernels.tools, tok), TaskStream(tasks), cfg.rollout, False, ahead)
+        cfg.rollout.overlap = ahead
+        svc = Services(cfg, client, kernels, kernels.tools, tok, {"qa": QA(cfg)})
+        batches = Batches(svc, TaskStream(tasks), cfg.rollout, False)
         times, parts = [], {"rollout": [], "train": [], "sync": []}
         try:
             for step in range(steps + 1):
                 t0 = time.perf_counter()
-                batch = await batches.next()
+                batch = await batches.next(step)
                 t1 = time.perf_counter()
                 await asyncio.to_thread(learner.train_step, training_rows(batch.episodes, cfg.algo))
                 t2 = time.perf_counter()

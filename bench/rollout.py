@@ -48,8 +48,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from common import tree_memory_mb  # noqa: E402  (bench/common.py)
-from l0_min.collect import Env, collect_batch  # noqa: E402
+from l0_min.collect import Services, collect_batch  # noqa: E402
 from l0_min.config import Config  # noqa: E402
+from l0_min.envs.qa import QA  # noqa: E402
 from l0_min.episode import ANSWERED, Task  # noqa: E402
 from l0_min.inference import InferenceClient  # noqa: E402
 from l0_min.models import tiny_tokenizer  # noqa: E402
@@ -163,7 +164,7 @@ async def episode_run(cfg: Config, client, kernels: Prestarted, tools, tok, n: i
     """n episodes through collect_batch at `concurrency`. Returns (agent steps, failed episodes)."""
     cfg.rollout.max_concurrency = concurrency
     cfg.rollout.batch_size, cfg.rollout.n_samples = n, 1
-    env = Env(cfg, client, kernels, tools, tok)
+    env = Services(cfg, client, kernels, tools, tok, {"qa": QA(cfg)})
 
     class Stream:
         position = 0

@@ -20,6 +20,10 @@ class FakeTools:
         self.answers: dict[str, str] = {}
         self.calls: dict[str, dict[str, int]] = {}
         self.errors: dict[str, list[str]] = {}
+        self.allowed: dict[str, tuple] = {}
+
+    def allow(self, key, tools):
+        self.allowed[key] = tuple(tools)
 
     def final_answer(self, key):
         return self.answers.get(key)
@@ -46,7 +50,8 @@ class FakeKernel:
 
     def __init__(self, tools: FakeTools, id: str = "k0"):
         self.id, self.tools = id, tools
-        self.ns = {"notepad": FakeNotepad(), "submit_final_answer": self._submit, "web_search": lambda query, k=3: []}
+        self.ns = {"notepad": FakeNotepad(), "submit_final_answer": self._submit, "web_search": lambda query, k=3: [],
+                   "read_page": lambda ref: ""}
         self.executed: list[str] = []
 
     def _submit(self, answer):

@@ -12,7 +12,8 @@ watcher (`l0_min.context`) owns the ids: it gives the prompt, takes back the act
 output text, and rebuilds itself around the notepad when the window fills.
 
 The services are small Protocols (`Policy`, `Kernel`, `Tools`): the real ones are the SGLang
-client, a sandboxed kernel and the host tool server; tests use the fakes in tests/fakes.py.
+client, a sandboxed kernel and the host tool server; tests use the fakes in tests/fakes.py. What the
+agent is told (system prompt, worked example, the task) comes from its environment (`l0_min.envs`).
 The episode ends when the tool server has recorded a final answer for this kernel (the in-kernel
 submit_final_answer call reaches the host; printed text is never parsed), or on a budget: steps,
 context tokens, wall time. A kernel that the agent's own code killed or broke ends it as
@@ -60,40 +61,9 @@ class Tools(Protocol):
 
 STOP = "</code>"
 
-SYSTEM_PROMPT = """\
-You solve tasks by writing Python in a Jupyter notebook. Each step, write your reasoning in \
-<think>...</think>, then one code cell in <code>...</code>. The cell runs in a persistent kernel \
-and you get its output in <output>...</output>.
-
-Preloaded in the kernel:
-- web_search(query, k=3): search results; print them to see each title, ref and snippet
-- read_page(ref): the text of the page with that ref
-- notepad: your memory. notepad.todo and notepad.facts are lists, notepad.draft is a string, \
-notepad.render() shows it all. When the context gets long, old steps are dropped, but the notepad \
-and your variables survive.
-- submit_final_answer(answer): give a short final answer. Only this ends the task.
-
-Example step:
-<think>I need the capital of France. I will note the plan and search.</think>
-<code>notepad.todo.append("find the capital of France")
-print(web_search("capital of France"))</code>"""
-
-
-# One solved task as earlier chat turns (`agent.worked_example`): a small model copies the shape of
-# a real exchange far more reliably than a description of it. Its tools' output is shown as they print.
-WORKED_EXAMPLE = (
-    {"role": "user", "content": "Task: In which year was the Orlen Bridge opened?\nYou have 3 steps."},
-    {"role": "assistant", "content": "<think>I should search for the Orlen Bridge and read the results.</think>\n"
-                                     "<code>print(web_search(\"Orlen Bridge opened\"))</code>"},
-    {"role": "user", "content": "<output>\n[1] Orlen Bridge (ref: orlen-bridge)\n    The Orlen Bridge was opened in "
-                                "1894 after six years of work.\n</output>\n[2 steps left]"},
-    {"role": "assistant", "content": "<think>The result says the bridge was opened in 1894. I submit that.</think>\n"
-                                     "<code>submit_final_answer(\"1894\")</code>"},
-)  # fmt: skip
-
-
-def task_prompt(task: Task, cfg: Config) -> str:
-    return f"Task: {task.question}\nYou have {cfg.agent.max_steps} steps."
+def task_message(env, task: Task, cfg: Config) -> str:
+    """The environment's prompt for the task, and the step budget."""
+    return f"{env.prompt(task)}\nYou have {cfg.agent.max_steps} steps."
 
 
 # ---------------------------------------------------------------------------- parsing an action
@@ -124,7 +94,7 @@ def parse_action(text: str, finish_reason: str = "stop", matched_stop=None, min_
     """
     m = _THINK.search(text)
     think = m.group(1).strip() if m else ""
-    ok = format_ok(text, min_think_chars, min_code_chars) and finish_reason != "length"
+    ok = format_ok(text, min_think_chars, min_code_chars, finish_reason)
     after_think = text[m.end() :] if m else text
     start = after_think.find("<code>")
     if start < 0:
@@ -156,14 +126,15 @@ def sampling_params(cfg: Config, room: int) -> dict:
 # ---------------------------------------------------------------------------------- the episode
 
 
-async def run_episode(task: Task, policy: Policy, kernel: Kernel, tools: Tools, tokenizer, cfg: Config) -> Episode:
-    """Run one NB-Agent episode on an acquired kernel; the caller acquires and releases it."""
+async def run_episode(task: Task, env, policy: Policy, kernel: Kernel, tools: Tools, tokenizer, cfg: Config) -> Episode:
+    """Run one NB-Agent episode of `env` (l0_min.envs) on an acquired kernel whose workspace the caller
+    prepared; the caller acquires and releases it."""
     t0 = time.monotonic()
     ep = Episode(task=task)
     episode_key.set(f"{task.id}#{uuid.uuid4().hex[:12]}")  # its requests go to one server (its prefix cache)
-    examples = WORKED_EXAMPLE if cfg.agent.worked_example else ()
-    ctx = ContextWatcher(chat_format(tokenizer), cfg.agent.system_prompt or SYSTEM_PROMPT, task_prompt(task, cfg),
-                         cfg.agent, cfg.sampling.max_new_tokens, examples)
+    examples = env.worked_example if cfg.agent.worked_example else ()
+    ctx = ContextWatcher(chat_format(tokenizer), env.system_prompt, task_message(env, task, cfg), cfg.agent,
+                         cfg.sampling.max_new_tokens, examples)
     try:
         ep.status = await _loop(ep, ctx, policy, kernel, tools, cfg, t0 + cfg.agent.max_wall_seconds)
     finally:

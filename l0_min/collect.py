@@ -1,12 +1,16 @@
 """The rollout collector: many NB-Agent episodes as coroutines in one asyncio event loop.
 
-    env = Env(cfg, policy, kernels, tools, tokenizer)
-    batch = await collect_batch(env, stream, cfg.rollout)         # train.py: groups, dynamic sampling
-    await run_tasks(env, tasks, n_samples, on_episode=write)      # rollout.py / evaluate.py
+    svc = Services(cfg, policy, kernels, tools, tokenizer, envs)   # envs: name -> l0_min.envs.TaskEnv
+    batch = await collect_batch(svc, stream, cfg.rollout)         # train.py: groups, dynamic sampling
+    await run_tasks(svc, tasks, n_samples, on_episode=write)      # rollout.py / evaluate.py
+
+Each task runs in its environment (`task.env`): the kernel gets that environment's host tools and
+workspace files (a hidden first cell), the agent its prompts, the episode its score.
 
 Failure handling (after the ROLL team's notes on agentic RL at scale):
-- environment failures (the sandbox did not start, the host killed the kernel, a search / page
-  backend failed or stalled; not a kernel the agent's own code killed: kernel_crashed) are retried
+- environment failures (the sandbox did not start or could not be set up for the task, the host killed
+  the kernel, a search / page backend failed or stalled; not a kernel the agent's own code killed:
+  kernel_crashed) are retried
   up to `rollout.max_retries` times on a fresh kernel, then kept as a masked placeholder: zero
   training weight, counted in the metrics (`Episode.masked`, `batch.stats["episodes_masked"]`);
 - episodes out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout) are
@@ -15,7 +19,7 @@ Failure handling (after the ROLL team's notes on agentic RL at scale):
   inference.down_after seconds ends the run with InferenceDown (the InferenceClient has already
   retried that long). A failure while the server answers /health (a refused request, an unusable
   response) is retried like an environment failure, then masked, instead of looping forever;
-- dynamic sampling drops groups whose core reward (the answer reward) has no variance and draws
+- dynamic sampling drops groups whose core reward (the environment's answer reward) has no variance and draws
   tasks until the batch is full, with at most rollout.max_extra_groups extra groups; past the cap,
   the batch is topped up with dropped groups so its size stays fixed.
 Episodes are consumed as they finish, never in lock step: a group completes when its last episode
@@ -35,6 +39,7 @@ from typing import Awaitable, Callable, Protocol
 from l0_min import algo
 from l0_min.agent import Kernel, Policy, Tools, run_episode
 from l0_min.config import Config, RolloutConfig
+from l0_min.envs import SEARCH_TOOLS, TaskEnv, setup_cell
 from l0_min.episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode, Task
 from l0_min.inference import InferenceError
 from l0_min.rewards import score_episode
@@ -52,14 +57,16 @@ class Kernels(Protocol):
 
 
 @dataclass
-class Env:
-    """What episodes need: config, the policy (inference client), kernels, the host tools, a tokenizer."""
+class Services:
+    """What episodes need: config, the policy (inference client), kernels, the host tools, a tokenizer, and
+    the task environments by name."""
 
     cfg: Config
     policy: Policy
     kernels: Kernels
     tools: Tools
     tokenizer: object
+    envs: dict[str, TaskEnv]
     urls: list[str] = field(default_factory=list)  # the inference servers, for messages
     semaphore: asyncio.Semaphore | None = None
     counters: dict = field(default_factory=lambda: {"env_retries": 0, "inference_retries": 0, "inference_pauses": 0})
@@ -70,17 +77,28 @@ class Env:
             self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
 
 
-async def _attempt(env: Env, task: Task) -> tuple[Episode, list[str]]:
-    """One try: acquire a kernel, run the agent under the hard timeout, release the kernel.
-    Returns the episode and the tool backend errors the host saw during it."""
-    kernel = None
+async def prepare(kernel, env: TaskEnv, task: Task, tools: Tools, timeout: float) -> None:
+    """Give a fresh kernel the task's host tools and workspace files; raises if the sandbox cannot be set up."""
+    tools.allow(kernel.id, env.tools)
+    drop = tuple(t for t in SEARCH_TOOLS if t not in env.tools)
+    if (files := env.files(task)) or drop:
+        res = await kernel.execute(setup_cell(files, drop), timeout=timeout)
+        if not res.ok:
+            raise RuntimeError(f"setting up the workspace of task {task.id} failed: {res.text(500)}")
+
+
+async def _attempt(svc: Services, task: Task) -> tuple[Episode, list[str]]:
+    """One try: acquire a kernel, prepare it for the task, run the agent under the hard timeout, release the
+    kernel. Returns the episode and the tool backend errors the host saw during it."""
+    kernel, cfg, env = None, svc.cfg, svc.envs[task.env]
     try:
-        kernel = await env.kernels.acquire()
-        ep = await asyncio.wait_for(run_episode(task, env.policy, kernel, env.tools, env.tokenizer, env.cfg),
-                                    timeout=env.cfg.rollout.episode_timeout)
-        return ep, env.tools.backend_errors(kernel.id)
+        kernel = await svc.kernels.acquire()
+        await prepare(kernel, env, task, svc.tools, cfg.kernel.exec_timeout)
+        ep = await asyncio.wait_for(run_episode(task, env, svc.policy, kernel, svc.tools, svc.tokenizer, cfg),
+                                    timeout=cfg.rollout.episode_timeout)
+        return ep, svc.tools.backend_errors(kernel.id)
     except asyncio.TimeoutError:
-        return Episode(task, status=TIMEOUT, error=f"hard episode timeout of {env.cfg.rollout.episode_timeout:g} s"), []
+        return Episode(task, status=TIMEOUT, error=f"hard episode timeout of {cfg.rollout.episode_timeout:g} s"), []
     except InferenceError as e:
         return Episode(task, status=INFERENCE_ERROR, error=str(e)), []
     except Exception as e:  # the sandbox, the kernel or a tool backend: not the policy's fault
@@ -88,73 +106,73 @@ async def _attempt(env: Env, task: Task) -> tuple[Episode, list[str]]:
     finally:
         if kernel is not None:
             with contextlib.suppress(Exception):
-                await env.kernels.release(kernel)
+                await svc.kernels.release(kernel)
 
 
-async def _healthy(env: Env) -> bool:
+async def _healthy(svc: Services) -> bool:
     try:
-        return bool(await env.policy.health())
+        return bool(await svc.policy.health())
     except Exception:
         return False
 
 
-async def _wait_for_server(env: Env) -> bool:
+async def _wait_for_server(svc: Services) -> bool:
     """After an inference failure: False if the policy answers /health at once (the request itself
     failed), True once it answers again after an outage. Raises InferenceDown when the outage,
     counted from the first episode that found it, has lasted inference.down_after seconds."""
-    if await _healthy(env):
-        env.down_since = None
+    if await _healthy(svc):
+        svc.down_since = None
         return False
-    env.counters["inference_pauses"] += 1
-    delay = env.cfg.inference.backoff
+    svc.counters["inference_pauses"] += 1
+    delay = svc.cfg.inference.backoff
     while True:
-        if env.down_since is None:
-            env.down_since = time.monotonic()
-        left = env.down_since + env.cfg.inference.down_after - time.monotonic()
+        if svc.down_since is None:
+            svc.down_since = time.monotonic()
+        left = svc.down_since + svc.cfg.inference.down_after - time.monotonic()
         if left <= 0:
-            raise InferenceDown(f"inference server(s) unreachable for {env.cfg.inference.down_after:g} s "
+            raise InferenceDown(f"inference server(s) unreachable for {svc.cfg.inference.down_after:g} s "
                                 "(inference.down_after); stopping the run")  # fmt: skip
         await asyncio.sleep(min(delay, left))
-        if await _healthy(env):
-            env.down_since = None
+        if await _healthy(svc):
+            svc.down_since = None
             return True
         delay = min(delay * 2, 10.0)
 
 
-async def run_one(env: Env, task: Task, group: int = 0, sample: int = 0) -> Episode:
+async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0) -> Episode:
     """One finished episode: environment retries and inference pauses (see the module docstring),
     then its status, mask and score are settled here, the one place an episode is finished."""
-    retries = env.cfg.rollout.max_retries
-    async with env.semaphore:
+    retries = svc.cfg.rollout.max_retries
+    async with svc.semaphore:
         env_failures = inference_failures = 0
         while True:
-            ep, backend_errors = await _attempt(env, task)
+            ep, backend_errors = await _attempt(svc, task)
             if backend_errors and ep.status not in (ENV_ERROR, INFERENCE_ERROR):  # a tool backend failed under it
                 ep.status = ENV_ERROR
                 ep.error = f"{len(backend_errors)} tool backend failure(s), the first: {backend_errors[0]}"
             if ep.status == INFERENCE_ERROR:
-                if await _wait_for_server(env):  # an outage that ended; raises InferenceDown if it does not
+                if await _wait_for_server(svc):  # an outage that ended; raises InferenceDown if it does not
                     continue
                 if inference_failures < retries:  # the server is up but this request failed
                     inference_failures += 1
-                    env.counters["inference_retries"] += 1
+                    svc.counters["inference_retries"] += 1
                     log.warning("episode of task %s: %s; retrying", task.id, ep.error)
                     continue
                 break
             if ep.status == ENV_ERROR and env_failures < retries:
                 env_failures += 1
-                env.counters["env_retries"] += 1
+                svc.counters["env_retries"] += 1
                 log.warning("episode of task %s: environment failure: %s; retrying on a fresh kernel",
                             task.id, ep.error)
                 continue
             break
     ep.group, ep.sample = group, sample
     ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # after max_retries: a zero-weight placeholder for stats
-    score_episode(ep, env.cfg.reward)
+    score_episode(ep, svc.cfg.reward, svc.envs[task.env])
     return ep
 
 
-async def run_tasks(env: Env, tasks: list[Task], n_samples: int = 1,
+async def run_tasks(svc: Services, tasks: list[Task], n_samples: int = 1,
                     on_episode: Callable[[Episode], Awaitable[None] | None] | None = None) -> list[Episode]:
     """Every task `n_samples` times (no filtering, no dropping): rollout.py and evaluate.py.
 
@@ -163,7 +181,7 @@ async def run_tasks(env: Env, tasks: list[Task], n_samples: int = 1,
     """
 
     async def one(i: int, task: Task, s: int) -> Episode:
-        ep = await run_one(env, task, i, s)
+        ep = await run_one(svc, task, i, s)
         r = on_episode(ep) if on_episode is not None else None
         if asyncio.iscoroutine(r):
             await r
@@ -187,26 +205,52 @@ async def _cancel(jobs) -> None:
 
 
 class TaskStream:
-    """An endless, seeded, resumable order over the training tasks (a fresh shuffle each epoch).
+    """An endless, seeded, resumable order over the training tasks of one or several sources: each draw
+    picks a source by its weight, then that source's next task (a fresh shuffle each epoch of it).
 
     >>> s = TaskStream([Task(str(i), "q", []) for i in range(3)], seed=0)
     >>> [s.next().id for _ in range(4)], s.position
     (['0', '2', '1', '1'], 4)
+    >>> mix = TaskStream([[Task("a", "q", [])], [Task("b", "q", [])]], weights=[3, 1], seed=0)
+    >>> "".join(mix.next().id for _ in range(12))
+    'babaaabaaaaa'
     """
 
-    def __init__(self, tasks: list[Task], seed: int = 0, position: int = 0):
-        if not tasks:
+    def __init__(self, sources: list, weights: list[float] | None = None, seed: int = 0, position: int = 0):
+        sources = [sources] if sources and isinstance(sources[0], Task) else sources
+        if not sources or not all(sources):
             raise ValueError("the training task list is empty (data.train)")
-        self.tasks, self.seed, self.position = list(tasks), seed, position  # position may be set directly
-        self._epoch, self._order = -1, []
+        self.sources, self.weights, self.seed = [list(s) for s in sources], weights or [1.0] * len(sources), seed
+        self._orders: dict[int, tuple[int, list[int]]] = {}  # source -> (epoch, its shuffled order)
+        self.position = position
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    @position.setter
+    def position(self, position: int) -> None:
+        """Set (resume, rewind) the stream: the choices of source up to there are replayed (cheap: no tasks)."""
+        self._position, self.drawn = 0, [0] * len(self.sources)  # tasks drawn from each source
+        while self._position < position:
+            self._source()
+
+    def _source(self) -> int:
+        k = 0 if len(self.sources) == 1 else \
+            random.Random(self.seed * 1_000_003 + self._position).choices(range(len(self.sources)), self.weights)[0]
+        self._position += 1
+        self.drawn[k] += 1
+        return k
 
     def next(self) -> Task:
-        epoch, i = divmod(self.position, len(self.tasks))
-        if epoch != self._epoch:
-            self._epoch, self._order = epoch, list(range(len(self.tasks)))
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
-        self.position += 1
-        return self.tasks[self._order[i]]
+        k = self._source()
+        tasks = self.sources[k]
+        epoch, i = divmod(self.drawn[k] - 1, len(tasks))
+        if self._orders.get(k, (None,))[0] != epoch:
+            order = list(range(len(tasks)))
+            random.Random(self.seed * 1_000_003 + epoch + 7_919 * k).shuffle(order)  # source 0: as a single source
+            self._orders[k] = epoch, order
+        return tasks[self._orders[k][1][i]]
 
 
 @dataclass
@@ -216,20 +260,20 @@ class Batch:
 
 
 def core_reward(ep: Episode) -> float:
-    """The reward dynamic sampling looks at: the final-answer reward."""
-    return float(ep.rewards.get("answer", 0.0))
+    """The reward dynamic sampling looks at: the environment's answer reward."""
+    return float(ep.rewards.get("core", 0.0))
 
 
-async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool = True) -> Batch:
+async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool = True) -> Batch:
     """`rc.batch_size` groups of `rc.n_samples` episodes for one training step."""
     t0 = time.perf_counter()
-    counters0 = dict(env.counters)
+    counters0 = dict(svc.counters)
     max_dropped = int(rc.max_dropped_frac * rc.batch_size * rc.n_samples)
     stats = {"groups_launched": 0, "groups_dropped_ds": 0, "groups_topped_up": 0, "timeouts_dropped": 0,
              "timeouts_kept": 0, "stragglers_cancelled": 0}  # fmt: skip
 
     async def group(gi: int, task: Task) -> list[Episode]:
-        jobs = [asyncio.ensure_future(run_one(env, task, gi, s)) for s in range(rc.n_samples)]
+        jobs = [asyncio.ensure_future(run_one(svc, task, gi, s)) for s in range(rc.n_samples)]
         try:
             return list(await asyncio.gather(*jobs))
         finally:  # one sample raised (InferenceDown) or the group was cancelled: stop its siblings
@@ -289,7 +333,7 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
             e.group = gi
     episodes = [e for eps in kept for e in eps]
     stats["episodes_masked"] = sum(e.masked for e in episodes)
-    stats.update({k: env.counters[k] - counters0.get(k, 0) for k in env.counters})
+    stats.update({k: svc.counters[k] - counters0.get(k, 0) for k in svc.counters})
     stats.update(rollout_seconds=time.perf_counter() - t0, task_position=stream.position)
     return Batch(episodes, stats)
 
@@ -297,11 +341,13 @@ async def collect_batch(env: Env, stream: TaskStream, rc: RolloutConfig, dynamic
 class Batches:
     """Training batches from `stream`, one after another. With `ahead` = k >= 1 a producer collects up
     to k batches before they are asked for (rollout/training overlap: the episodes of step t+1 run while
-    the learner trains step t); with 0 a batch is collected when asked for (strictly on-policy)."""
+    the learner trains step t), and `next(version)` drops episodes whose actions are more than k weight
+    versions older than the learner's (`drop_stale`); with 0 a batch is collected when asked for (strictly
+    on-policy)."""
 
-    def __init__(self, env: Env, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool, ahead: int = 0):
-        self.collect = lambda: collect_batch(env, stream, rc, dynamic_sampling)
-        self.ahead, self.slots, self.ready = ahead, asyncio.Semaphore(max(ahead, 1)), asyncio.Queue()
+    def __init__(self, svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool):
+        self.collect = lambda: collect_batch(svc, stream, rc, dynamic_sampling)
+        self.ahead, self.slots, self.ready = rc.overlap, asyncio.Semaphore(max(rc.overlap, 1)), asyncio.Queue()
         self.producer: asyncio.Task | None = None  # started by the first next(), in the running loop
 
     async def _produce(self) -> None:
@@ -309,18 +355,21 @@ class Batches:
             await self.slots.acquire()  # a slot frees when a collected batch is taken
             self.ready.put_nowait(await self.collect())
 
-    async def next(self) -> Batch:
-        """The next batch; an error of the producer (InferenceDown) is raised here."""
-        if not self.ahead:
-            return await self.collect()
-        self.producer = self.producer or asyncio.ensure_future(self._produce())
-        get = asyncio.ensure_future(self.ready.get())
-        await asyncio.wait([get, self.producer], return_when=asyncio.FIRST_COMPLETED)
-        if not get.done():  # the producer ended first: with an error
-            get.cancel()
-            self.producer.result()
-        self.slots.release()
-        return get.result()
+    async def next(self, version: int = 0) -> Batch:
+        """The next batch for the learner at weight `version`; an error of the producer (InferenceDown) is
+        raised here."""
+        if self.ahead:
+            self.producer = self.producer or asyncio.ensure_future(self._produce())
+            get = asyncio.ensure_future(self.ready.get())
+            await asyncio.wait([get, self.producer], return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():  # the producer ended first: with an error
+                get.cancel()
+                self.producer.result()
+            self.slots.release()
+        batch = get.result() if self.ahead else await self.collect()
+        batch.episodes, stale = drop_stale(batch.episodes, version, self.ahead)
+        batch.stats |= stale
+        return batch
 
     async def close(self) -> None:
         if self.producer is not None:

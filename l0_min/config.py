@@ -217,13 +217,25 @@ class SFTConfig:
 
 
 @dataclass
+class Source:
+    """One task source of a run: `source` as its environment reads it ("synthetic:train", a file, a benchmark
+    name), the environment (empty: the run's `env`), and its share of the training stream."""
+
+    source: str = "synthetic"
+    env: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
-    train: str = "synthetic"  # synthetic | a benchmark name | a path
-    eval: str = "synthetic"
+    # a source, or several: "synthetic:train" | [{source: synthetic:train, env: qa, weight: 2}, {source: ..., env: math}]
+    train: list[Source] = field(default_factory=lambda: [Source()])
+    eval: list[Source] = field(default_factory=lambda: [Source()])
+    eval_limit: int = 16  # held-out tasks per eval source
+    # the generators of synthetic tasks (each environment has one: data.synthetic_* configure them all)
     synthetic_seed: int = 0
-    synthetic_entities: int = 60
+    synthetic_entities: int = 60  # qa: the size of the invented encyclopedia
     synthetic_tasks: int = 256
-    eval_limit: int = 16
     synthetic_kinds: list[str] = field(default_factory=list)  # keep only these task kinds (empty: all)
     synthetic_heldout: float = 0.2  # share of synthetic tasks in "synthetic:heldout" (by a hash of the id)
     data_dir: str = ""  # where benchmarks are found by name (else $L0_MIN_DATA, else the HF hub)
@@ -240,6 +252,7 @@ class LogConfig:
 
 @dataclass
 class Config:
+    env: str = "qa"  # the task environment: qa | math | files (l0_min/envs/) or a module path "my_pkg.my_env"
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
@@ -261,12 +274,19 @@ class Config:
 
 
 def _check(value, tp, key: str):
-    """`value` as type `tp`, or ConfigError naming `key`. Ints pass for floats, numbers for strings, and
-    "a,b" (a command-line value) for a list."""
+    """`value` as type `tp`, or ConfigError naming `key`. Ints pass for floats, numbers for strings, "a,b"
+    (a command-line value) for a list, a mapping or a string (its first field) for a section in a list."""
+    if dataclasses.is_dataclass(tp):
+        value = {dataclasses.fields(tp)[0].name: value} if isinstance(value, str) else value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping or a string, got {value!r}")
+        _apply(node := tp(), value, key + ".")
+        return node
     if typing.get_origin(tp) is list:
         (item,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
+        value = [value] if isinstance(value, dict) else value
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]

@@ -1,7 +1,5 @@
 """Task sources: benchmark files in their public release layouts, the synthetic world, and corpora.
 
-    load_tasks("synthetic")                    # the offline world (data.synthetic_* settings)
-    load_tasks("synthetic:train")              # its train split; "synthetic:heldout" the rest
     load_tasks("hotpotqa")                     # by name: $L0_MIN_DATA / data.data_dir, else the HF hub
     load_tasks("path/to/dev.jsonl")            # any supported file, layout sniffed from its fields
     load_benchmark("bamboogle", "test.csv", limit=10)
@@ -14,6 +12,7 @@ Supported layouts (each also as .parquet, and .json/.jsonl optionally gzipped):
 | qa       | question, answer (str) [+ _id, type, level, supporting_facts, context, evidences] | HotpotQA, 2Wiki      |
 | musique  | id, question, answer, answer_aliases, paragraphs, ...                             | MuSiQue              |
 | csv_qa   | Question, Answer                                                                  | Bamboogle            |
+| gsm8k    | question, answer ("<worked solution>\n#### <number>": the number is the gold)      | GSM8K (env math)     |
 | answers  | question, answer/answers: [aliases]                                               | NQ-open (DPR .tsv)   |
 | triviaqa | {Data: [{Question, QuestionId, Answer: {Value, Aliases}}]}, or HF's flat form     | TriviaQA             |
 |          | question, question_id, answer: {value, aliases}                                   |                      |
@@ -175,6 +174,8 @@ def detect_layout(row: dict) -> str:
         return "flashrag"
     if {"problem", "answer"} <= keys:
         return "simpleqa"
+    if isinstance(row.get("answer"), str) and "\n#### " in row["answer"]:
+        return "gsm8k"
     if "paragraphs" in keys or "answer_aliases" in keys:
         return "musique"
     if isinstance(row.get("Answer"), dict) or isinstance(row.get("answer"), dict):
@@ -254,6 +255,9 @@ def _parse(layout: str, row: dict) -> tuple[str, list[str], dict]:
         meta.update({k: row[k] for k in ("type", "level", "supporting_facts", "evidences") if k in row})
         if row.get("context"):
             meta["context"] = _context(row["context"])
+    elif layout == "gsm8k":  # a worked solution ending "#### <number>": the number is the gold
+        q, (solution, _, gold) = _text(row, "question"), _text(row, "answer").rpartition("\n#### ")
+        answers, meta["solution"] = [gold.replace(",", "").strip()], solution
     elif layout == "musique":
         q = _text(row, "question")
         answers = [_text(row, "answer")] + _alias_list(row.get("answer_aliases") or [], "answer_aliases")
@@ -326,7 +330,7 @@ def load_file(path: str | Path, limit: int | None = None, skip_bad_rows: bool = 
             continue
         seen[tid] = i
         meta = {"benchmark": str(row.get("data_source") or benchmark or layout).lower(), "row": i, **meta}
-        out.append(Task(id=tid, question=q, answers=answers, meta=meta))
+        out.append(Task(id=tid, question=q, answers=answers, meta=meta, env="math" if layout == "gsm8k" else "qa"))
     if out.skipped:
         log.warning("%s: skipped %d bad rows, first: %s", path, out.skipped, out.errors[0])
     if not out and limit != 0:
@@ -417,22 +421,10 @@ def load_benchmark(name: str, path: str | None = None, limit: int | None = None,
 
 
 def load_tasks(spec: str, cfg: DataConfig | None = None, limit: int | None = None) -> Tasks:
-    """Tasks from a spec: "synthetic" (all), "synthetic:train" / "synthetic:heldout", a benchmark
-    name, or a file path (layout sniffed)."""
-    from l0_min import world
-
+    """Tasks from a benchmark name or a file path (layout sniffed). Synthetic tasks come from an
+    environment's own generator (l0_min.envs: `env.tasks("synthetic:train")`)."""
     cfg = cfg or DataConfig()
     spec = spec.strip()
-    if spec.split(":")[0] == "synthetic":
-        part = spec.split(":", 1)[1] if ":" in spec else "all"
-        w = world.make_world(cfg.synthetic_seed, cfg.synthetic_entities, cfg.synthetic_tasks)
-        train, held = world.split(w.tasks, cfg.synthetic_heldout)
-        parts = {"all": w.tasks, "train": train, "heldout": held}
-        if part not in parts:
-            raise DataError(f"data spec {spec!r}: expected synthetic, synthetic:train or synthetic:heldout")
-        tasks = [t for t in parts[part] if not cfg.synthetic_kinds or t.meta["kind"] in cfg.synthetic_kinds]
-        return Tasks(tasks[:limit], source=f"synthetic(seed={cfg.synthetic_seed}, "
-                     f"entities={cfg.synthetic_entities}, tasks={cfg.synthetic_tasks}):{part}")
     if Path(spec).is_file():
         return load_file(spec, limit=limit, skip_bad_rows=cfg.skip_bad_rows)
     if benchmark_name(spec, known=False) in BENCHMARKS:
@@ -455,7 +447,7 @@ def doc_id(title: str, text: str) -> str:
 
 @functools.lru_cache(maxsize=8)
 def _world_corpus(seed: int, n_entities: int) -> tuple:
-    from l0_min.world import make_world
+    from l0_min.envs.qa import make_world
 
     return tuple(make_world(seed, n_entities, n_tasks=0).corpus)
 

@@ -20,8 +20,9 @@ from l0_min import algo
 class Task:
     id: str
     question: str
-    answers: list[str]  # gold answer and its aliases
+    answers: list[str]  # gold answer and its aliases (what the environment's score() compares with)
     meta: dict = field(default_factory=dict)
+    env: str = "qa"  # the name of its environment (l0_min.envs): prompt, tools, workspace, score
 
 
 # Episode statuses. "answered" is the only one that ends by the agent's own choice.
@@ -62,7 +63,7 @@ class Episode:
     group: int = 0  # index of the task group within a batch
     sample: int = 0  # index within its group
     reward: float = 0.0  # total (outcome) reward
-    rewards: dict = field(default_factory=dict)  # components: answer, format, exec, em, f1, ...
+    rewards: dict = field(default_factory=dict)  # components: core, format, exec, total, the env's metrics
     tool_calls: dict = field(default_factory=dict)
     truncations: int = 0  # context rebuilds
     weight_version: str = ""

@@ -108,7 +108,7 @@ def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def batch_metrics(episodes: list[Episode]) -> dict:
+def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
     """Flat, named statistics of one RL step's episodes (pure: no I/O, no clock).
 
     Rewards are means over the episodes that train (not `masked`), a component over those that report
@@ -116,8 +116,10 @@ def batch_metrics(episodes: list[Episode]) -> dict:
 
     keys:
       episodes, masked                        counts
-      reward, reward/answer, reward/format,   means over non-masked episodes (None if all masked)
+      reward, reward/core, reward/format,     means over non-masked episodes (None if all masked)
         reward/exec, reward/em, reward/f1, ... (every numeric key found in Episode.rewards)
+      env/<env>/reward, env/<env>/<metric>    the same per environment, when the episodes are of several
+                                              (`envs`: name -> TaskEnv, for their metrics' names)
       status/<status>                         count per status (every known status, zeros included)
       answered_rate                           status == "answered" / episodes
       steps_per_ep/mean, steps_per_ep/max     agent steps per episode
@@ -161,7 +163,66 @@ def batch_metrics(episodes: list[Episode]) -> dict:
     m["truncations"] = sum(ep.truncations for ep in episodes)
     versions = {ep.weight_version for ep in episodes} | {s.weight_version for ep in episodes for s in ep.steps}
     m["weight_versions"] = sorted(v for v in versions if v)
+    names = sorted({ep.task.env for ep in train})
+    for name in names if len(names) > 1 else ():
+        mine = [ep for ep in train if ep.task.env == name]
+        m[f"env/{name}/reward"] = _mean([ep.reward for ep in mine])
+        for k in envs[name].metrics if envs else ():
+            m[f"env/{name}/{k}"] = _mean([float(ep.rewards.get(k, 0.0)) for ep in mine])
     return m
+
+
+# ------------------------------------------------------------------------------ held-out numbers
+
+
+def eval_summaries(episodes: list[Episode], envs: dict) -> dict[str, dict]:
+    """Held-out numbers per environment (and "all" over every episode when there are several): episodes n,
+    the headline metric's (the env's first) successes, rate "score" and Wilson 95% interval "score_ci", every
+    metric's mean, the answered rate and the mean reward. Masked episodes count as failures.
+
+    >>> from l0_min.episode import Task
+    >>> class QA: metrics = ("em", "f1")
+    >>> eps = [Episode(Task(str(i), "q", ["a"]), status="answered", reward=0.5, rewards={"em": i % 2, "f1": 1.0})
+    ...        for i in range(4)]
+    >>> m = eval_summaries(eps, {"qa": QA()})["all"]
+    >>> m["n"], m["successes"], m["score"], m["em"], m["f1"], [round(x, 3) for x in m["score_ci"]]
+    (4, 2, 0.5, 0.5, 1.0, [0.15, 0.85])
+    """
+    from l0_min.evaluation import wilson_interval
+
+    def summary(eps: list[Episode], metrics: tuple[str, ...]) -> dict:
+        n = len(eps)
+        ok = sum(float(ep.rewards.get(envs[ep.task.env].metrics[0], 0.0)) == 1.0 for ep in eps)
+        m = {"n": n, "successes": ok, "score": ok / n, "score_ci": list(wilson_interval(ok, n)),
+             "metric": metrics[0] if metrics else "solved"}
+        m |= {k: sum(float(ep.rewards.get(k, 0.0)) for ep in eps) / n for k in metrics}
+        return m | {"answered": sum(ep.status == ANSWERED for ep in eps) / n, "reward": sum(ep.reward for ep in eps) / n}
+
+    names = sorted({ep.task.env for ep in episodes})
+    if len(names) == 1:
+        return {"all": summary(episodes, envs[names[0]].metrics)}
+    return {name: summary([ep for ep in episodes if ep.task.env == name], envs[name].metrics) for name in names} \
+        | {"all": summary(episodes, ())}
+
+
+def _label(metric: str) -> str:
+    return metric.upper() if len(metric) <= 3 else metric
+
+
+def format_eval(m: dict) -> str:
+    """One line of an `eval_summaries` entry, rates in percent.
+
+    >>> print(format_eval({"n": 4, "score": 0.5, "score_ci": [0.15, 0.85], "metric": "em", "em": 0.5, "f1": 0.75,
+    ...                    "answered": 1.0, "reward": 0.5}))
+    EM 50.0 (95% CI 15.0-85.0) | F1 75.0 | answered 100.0 | 4 episodes | reward 0.500
+    """
+    others = [f"{_label(k)} {100 * m[k]:.1f}" for k in m if k not in _SUMMARY_KEYS and k != m["metric"]]
+    return " | ".join([f"{_label(m['metric'])} {100 * m['score']:.1f} (95% CI {100 * m['score_ci'][0]:.1f}-"
+                       f"{100 * m['score_ci'][1]:.1f})", *others, f"answered {100 * m['answered']:.1f}",
+                       f"{m['n']} episodes", f"reward {m['reward']:.3f}"])
+
+
+_SUMMARY_KEYS = ("n", "successes", "score", "score_ci", "metric", "answered", "reward")
 
 
 def _is_number(v) -> bool:
@@ -263,8 +324,9 @@ class MetricsLogger:
 
 def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     """Three panels against the learner step (an SFT step or an RL step; records say which in "phase"):
-    held-out EM at each evaluation ("eval/em" sampled, "eval/greedy/em" greedy; 95% intervals) over the
-    shaded SFT and RL phases; the training signal (SFT loss, RL reward); the RL steps' rates."""
+    the held-out score at each evaluation ("eval/score" sampled, "eval/greedy/score" greedy, with 95% intervals;
+    "eval/<env>/score" per environment of a mixed run) over the shaded SFT and RL phases; the training signal
+    (SFT loss, RL reward); the RL steps' rates."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, safe in any process
     from matplotlib.ticker import MaxNLocator
 
@@ -273,7 +335,8 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     rl = [r for r in records if r.get("phase", "rl") == "rl" and _is_number(r.get("reward"))]
     fig = Figure(figsize=(13, 3.8), dpi=100, layout="constrained")
     axes = fig.subplots(1, 3)
-    for ax, title in zip(axes, ("held-out EM", "training signal", "RL rates")):
+    metric = next((r["eval/metric"] for r in reversed(records) if isinstance(r.get("eval/metric"), str)), "score")
+    for ax, title in zip(axes, (f"held-out {_label(metric)}", "training signal", "RL rates")):
         ax.set(title=title, xlabel="learner step")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -287,12 +350,14 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
         if pts:
             ax.plot(*zip(*pts), label=label, marker="o" if len(pts) <= 40 else None, markersize=3, **kw)
 
-    for key, label, shift in (("eval/em", "sampled", -0.08), ("eval/greedy/em", "greedy", 0.08)):
+    for key, label, shift in (("eval/score", "sampled", -0.08), ("eval/greedy/score", "greedy", 0.08)):
         pts = [(r["step"], r[key], r.get(key + "_ci") or [r[key]] * 2) for r in records if _is_number(r.get(key))]
         if pts:
             xs, ys, cis = zip(*pts)
             err = [[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]]
             axes[0].errorbar([x + shift for x in xs], ys, yerr=err, fmt="o-", capsize=3, label=label)
+    for key in sorted({k for r in records for k in r if re.fullmatch(r"eval/[^/]+/score", k) and "greedy" not in k}):
+        line(axes[0], records, key, key.split("/")[1] + " (sampled)", linestyle="--", linewidth=1)
     line(axes[1], sft, "train/loss", "SFT loss", color="tab:purple")
     line(axes[1], rl, "reward", "RL reward", color="tab:green", linewidth=2)
     for key, label in (("reward/format", "format"), ("reward/exec", "exec"), ("answered_rate", "answered")):
@@ -304,7 +369,7 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
             ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
         elif ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
-    n_eval = len({r["step"] for r in records if _is_number(r.get("eval/em"))})
+    n_eval = len({r["step"] for r in records if _is_number(r.get("eval/score"))})
     fig.suptitle(f"{Path(metrics_jsonl).parent.name}: {len(sft)} SFT steps, {len(rl)} RL steps, {n_eval} evaluations",
                  fontsize=11)
     out_png = Path(out_png)
@@ -315,22 +380,40 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
 
 # ----------------------------------------------------------- the per-step table train.py prints
 
-_COLUMNS = [  # (header, metrics key, width, format)
-    ("step", None, 6, "d"), ("reward", "reward", 8, ".3f"), ("EM", "reward/em", 7, ".3f"),
+_COLUMNS = [  # (header, metrics key, width, format); "{score}" becomes one column per environment's headline
+    ("step", None, 6, "d"), ("reward", "reward", 8, ".3f"), ("{score}", None, 7, ".3f"),
     ("format", "reward/format", 7, ".3f"), ("exec", "reward/exec", 7, ".3f"),
     ("steps/ep", "steps_per_ep/mean", 9, ".2f"), ("tok/ep", "tokens_per_ep/mean", 8, ".0f"),
     ("sec", "seconds", 8, ".1f"),
 ]
 
-STEP_HEADER = "".join(f"{h:>{w}}" for h, _, w, _ in _COLUMNS)
+
+def _columns(names: list[str], envs: dict) -> list[tuple]:
+    """The table's columns for the training environments `names`: one alone shows its headline metric under
+    its own label (QA: "EM"), several show each one's under its name."""
+    out = []
+    for h, key, w, f in _COLUMNS:
+        if h != "{score}":
+            out.append((h, key, w, f))
+        elif len(names) == 1:
+            out.append((_label(envs[names[0]].metrics[0]), f"reward/{envs[names[0]].metrics[0]}", w, f))
+        else:
+            out += [(n, f"env/{n}/{envs[n].metrics[0]}", max(w, len(n) + 1), f) for n in names]
+    return out
 
 
-def format_step_row(step: int, metrics: dict) -> str:
-    """One fixed-width line per RL step, aligned under STEP_HEADER; a missing value prints '-'.
+def step_header(names: list[str], envs: dict) -> str:
+    return "".join(f"{h:>{w}}" for h, _, w, _ in _columns(names, envs))
 
-    >>> print(STEP_HEADER); print(format_step_row(3, {"reward": 0.5, "reward/em": 0.25, "seconds": 12.34}))
+
+def format_step_row(step: int, metrics: dict, names: list[str], envs: dict) -> str:
+    """One fixed-width line per RL step, aligned under `step_header`; a missing value prints '-'.
+
+    >>> class QA: metrics = ("em", "f1")
+    >>> print(step_header(["qa"], {"qa": QA()})); print(format_step_row(3, {"reward": 0.5, "reward/em": 0.25,
+    ...                                                                  "seconds": 12.34}, ["qa"], {"qa": QA()}))
       step  reward     EM format   exec steps/ep  tok/ep     sec
          3   0.500  0.250      -      -        -       -    12.3
     """
-    cells = [(step if key is None else metrics.get(key), width, fmt) for _, key, width, fmt in _COLUMNS]
+    cells = [(step if key is None else metrics.get(key), w, f) for _, key, w, f in _columns(names, envs)]
     return "".join(f"{v:>{w}{f}}" if _is_number(v) else f"{'-':>{w}}" for v, w, f in cells)

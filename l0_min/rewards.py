@@ -1,10 +1,10 @@
-"""The training reward: answer normalisation, exact match, token F1 and the L0 reward terms.
+"""The training reward: the L0 reward terms, and the answer normalisation, exact match and token F1 of QA.
 
 The RL reward of one episode (defaults of `RewardConfig`):
 
-    total = 0.8 * answer + 0.1 * format + 0.1 * exec
-    answer = 0.9 * EM(final answer, gold aliases) + 0.1 * has_answer      (L0's final-answer reward)
-    format = mean over steps of 1[one <think> of > 10 chars and one <code> of > 5 chars]
+    total = 0.8 * core + 0.1 * format + 0.1 * exec
+    core   = the environment's answer reward, e.g. QA's 0.9 * EM + 0.1 * has_answer (l0_min.envs)
+    format = mean over steps of 1[one <think> of > 10 chars and one <code> of > 5 chars, not cut off]
     exec   = mean over steps that ran code of 1[the code ran without an error]
 
 `score_episode` also spreads that total over the steps for the learner (see its docstring).
@@ -156,17 +156,20 @@ _THINK = re.compile(r"<think>(.*?)</think>", re.S)
 _CODE = re.compile(r"<code>(.*?)</code>", re.S)
 
 
-def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5) -> bool:
-    """One `<think>` block with more than `min_think_chars` characters (stripped) and one `<code>`
-    block with more than `min_code_chars`, the think block first.
+def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5, finish_reason: str = "stop") -> bool:
+    """The one definition of a well-formed step: one `<think>` block with more than `min_think_chars`
+    characters (stripped) and one `<code>` block with more than `min_code_chars`, the think block first,
+    and not cut off by the token limit (`finish_reason` "length").
 
     The inference server stops at "</code>" and may leave that stop string out of the text, so an
-    action that ends inside an open `<code>` block counts as closed.
+    action that ends inside an open `<code>` block counts as closed, unless the token limit cut it.
 
     >>> format_ok("<think>look it up first</think><code>web_search('x')</code>")
     True
     >>> format_ok("<think>look it up first</think><code>web_search('x')")
     True
+    >>> format_ok("<think>look it up first</think><code>print(123", finish_reason="length")
+    False
     >>> format_ok("<think>short</think><code>web_search('x')</code>")
     False
     >>> format_ok("<think>look it up first</think><code>1</code><code>web_search('x')</code>")
@@ -175,8 +178,8 @@ def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5) -
     opened = action.count("<code>") == action.count("</code>") + 1
     text = action + "</code>" if opened and action.rfind("<code>") > action.rfind("</code>") else action
     thinks, codes = _THINK.findall(text), _CODE.findall(text)
-    return (len(thinks) == 1 and len(codes) == 1 and text.count("<think>") == 1 and text.count("<code>") == 1
-            and text.index("</think>") < text.index("<code>")
+    return (finish_reason != "length" and len(thinks) == 1 and len(codes) == 1 and text.count("<think>") == 1
+            and text.count("<code>") == 1 and text.index("</think>") < text.index("<code>")
             and len(thinks[0].strip()) > min_think_chars and len(codes[0].strip()) > min_code_chars)
 
 
@@ -193,49 +196,47 @@ def exec_score(exec_oks: Iterable[bool | None]) -> float:
     return sum(1 for ok in ran if ok) / len(ran) if ran else 0.0
 
 
-def score_episode(ep: Episode, cfg: RewardConfig) -> None:
-    """Fill `ep.reward`, `ep.rewards` and every `step.reward` (in place).
+def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
+    """Fill `ep.reward`, `ep.rewards` and every `step.reward` (in place); `env` (l0_min.envs) scores the
+    outcome: its "core" in [0, 1] is the answer term, its other scores are kept as metrics.
 
     Per step i of n steps, with fmt_i = 1[format_ok], ok_i = 1[exec_ok] and m steps that ran code:
 
         step.reward_i = format_weight * fmt_i / n
                       + exec_weight * ok_i / m        (only on steps that ran code)
-                      + answer_weight * answer        (only on the last step)
+                      + answer_weight * core          (only on the last step)
 
-    so sum(step.reward) == ep.reward == answer_weight * answer + format_weight * format
-    + exec_weight * exec. `step.format_ok` is recomputed from `step.action_text` with the
-    config's thresholds; `step.exec_ok` is taken as the agent recorded it.
+    so sum(step.reward) == ep.reward == answer_weight * core + format_weight * format
+    + exec_weight * exec. `step.format_ok` is recomputed from the step's text and finish reason with the
+    config's thresholds (`format_ok`, the one rule the agent also applies); `step.exec_ok` is taken as the
+    agent recorded it.
 
-    Worked example (default weights 0.8 / 0.1 / 0.1, EM weight 0.9, has_answer weight 0.1),
+    Worked example (default weights 0.8 / 0.1 / 0.1; QA: EM weight 0.9, has_answer weight 0.1),
     4 steps, gold "Paris", submitted "paris":
         step  format  exec_ok   step.reward
         0     1       True      0.1*1/4 + 0.1*1/3             = 0.058333
         1     0       False     0.1*0/4 + 0.1*0/3             = 0.0
         2     1       None      0.1*1/4                       = 0.025
         3     1       True      0.1*1/4 + 0.1*1/3 + 0.8*1.0   = 0.858333
-    format = 3/4, exec = 2/3, answer = 0.9*1 + 0.1*1 = 1.0
+    format = 3/4, exec = 2/3, core = 0.9*1 + 0.1*1 = 1.0
     ep.reward = 0.8*1.0 + 0.1*0.75 + 0.1*0.666667 = 0.941667 (= the sum of the column).
 
-    `answer_metric="f1"` in the config uses F1 instead of EM in the answer term. An episode without
-    steps gets only its answer term.
+    An episode without steps gets only its answer term.
     """
-    task, pred = ep.task, ep.final_answer
-    em, f1 = exact_match(pred, task.answers), f1_score(pred, task.answers)
-    if cfg.answer_metric not in ("em", "f1"):
-        raise ValueError(f"reward.answer_metric must be 'em' or 'f1', got {cfg.answer_metric!r}")
-    answer = answer_reward(pred, task.answers, cfg.em_weight, cfg.has_answer_weight,
-                           f1 if cfg.answer_metric == "f1" else None)
+    scores = env.score(ep)
+    core = float(scores["core"])
+    if not 0.0 <= core <= 1.0:
+        raise ValueError(f"env {env.name!r}: score()['core'] must be in [0, 1], got {core}")
     n, m = len(ep.steps), sum(1 for s in ep.steps if s.exec_ok is not None)
     for i, s in enumerate(ep.steps):
-        s.format_ok = format_ok(s.action_text, cfg.min_think_chars, cfg.min_code_chars)
+        s.format_ok = format_ok(s.action_text, cfg.min_think_chars, cfg.min_code_chars, s.finish_reason)
         r = cfg.format_weight * float(s.format_ok) / n
         if s.exec_ok is not None:
             r += cfg.exec_weight * float(s.exec_ok) / m
         if i == n - 1:
-            r += cfg.answer_weight * answer
+            r += cfg.answer_weight * core
         s.reward = r
     fmt = sum(float(s.format_ok) for s in ep.steps) / n if n else 0.0
     exe = exec_score(s.exec_ok for s in ep.steps)
-    ep.reward = total = cfg.answer_weight * answer + cfg.format_weight * fmt + cfg.exec_weight * exe
-    ep.rewards = {"answer": answer, "format": fmt, "exec": exe, "em": em, "f1": f1,
-                  "has_answer": float(has_answer(pred)), "total": total}
+    ep.reward = total = cfg.answer_weight * core + cfg.format_weight * fmt + cfg.exec_weight * exe
+    ep.rewards = {**scores, "core": core, "format": fmt, "exec": exe, "total": total}

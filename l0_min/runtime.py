@@ -1,14 +1,14 @@
 """Bring up (and tear down) what episodes need, the same way for train.py, rollout.py and evaluate.py:
 
-    async with rollout_env(cfg, model_path, tokenizer, tasks, log_dir=run_dir) as env:
-        ...  # env.policy (InferenceClient), env.kernels (KernelPool), env.tools (ToolServer), env.tokenizer
+    async with rollout_env(cfg, model_path, tokenizer, tasks, envs, log_dir=run_dir) as svc:
+        ...  # svc.policy (InferenceClient), svc.kernels (KernelPool), svc.tools (ToolServer), svc.envs
 
 - inference (`policy_client`, alone in evaluate.py's direct mode): `cfg.inference.urls` (SGLang servers or
   an sglang-router; weight updates go to `inference.worker_urls`); if empty, the embedded CPU server
   `python -m l0_min.serve` is started on `model_path` and stopped at the end. Either way it waits until
   every server is ready;
-- tools: a search backend by `cfg.tools.search` (BM25 over the tasks' own paragraphs by default),
-  served to the sandboxes by one ToolServer;
+- tools: one ToolServer for the sandboxes; a search backend by `cfg.tools.search` (BM25 over the corpus
+  of the environments that search, e.g. QA's tasks' own paragraphs) when an environment has search tools;
 - kernels: a prewarmed KernelPool of bwrap'd ipykernels (one probe sandbox runs first, `check_sandbox`).
 
 `sync_weights` hands a new policy to the servers (train.py, after each learner step).
@@ -26,9 +26,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from .collect import Env
+from .collect import Services
 from .config import Config
-from .data import corpus_from_tasks
 from .inference import InferenceClient
 from .sandbox import bwrap
 from .sandbox.pool import KernelPool
@@ -116,11 +115,14 @@ async def policy_client(cfg: Config, model_path: str | Path, log_dir: str | Path
 
 
 @contextlib.asynccontextmanager
-async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: list, log_dir: str | Path | None = None):
+async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: list, envs: dict,
+                      log_dir: str | Path | None = None):
     async with contextlib.AsyncExitStack() as stack:
         await asyncio.to_thread(check_sandbox, cfg.sandbox)  # seconds, where the servers may take minutes
         client = await stack.enter_async_context(policy_client(cfg, model_path, log_dir))
-        backend = make_backend(cfg.tools, docs=corpus_from_tasks(tasks))
+        searching = [e for e in envs.values() if e.tools]
+        docs = [d for e in searching for d in e.corpus([t for t in tasks if t.env == e.name])]
+        backend = make_backend(cfg.tools, docs=docs) if searching else None
         if backend is not None and hasattr(backend, "close"):
             stack.push_async_callback(backend.close)
         t = cfg.tools
@@ -131,4 +133,4 @@ async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: lis
         pool = KernelPool(cfg.sandbox, cfg.kernel, tools)
         await pool.start()
         stack.push_async_callback(pool.close)
-        yield Env(cfg, client, pool, tools, tokenizer, urls=[s.url for s in client.servers])
+        yield Services(cfg, client, pool, tools, tokenizer, envs, urls=[s.url for s in client.servers])

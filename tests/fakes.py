@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from l0_min.envs.qa import QA
 from l0_min.inference import Generation
 from l0_min.models import tiny_tokenizer
 from bench.stand_ins import FakeKernel, FakeKernels, FakeNotepad, FakeTools  # noqa: F401
@@ -53,3 +54,8 @@ class ScriptedPolicy:
             ids, finish, matched = ids[: sampling["max_new_tokens"]], "length", None
         logprobs = [-0.01 * (1 + i % 13) for i in range(len(ids))]
         return Generation(ids, logprobs, finish, matched, weight_version=self.version)
+
+
+def qa_envs(cfg) -> dict:
+    """The environments of a QA-only run (collect.Services.envs)."""
+    return {"qa": QA(cfg)}

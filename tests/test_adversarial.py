@@ -20,7 +20,8 @@ import pytest
 import pytest_asyncio
 
 from l0_min.agent import run_episode
-from l0_min.collect import Env, run_one
+from l0_min.collect import Services, run_one
+from l0_min.envs.qa import QA
 from l0_min.config import Config, KernelConfig, SandboxConfig
 from l0_min.episode import ANSWERED, ENV_ERROR, KERNEL_CRASHED, Task, training_rows
 from l0_min.inference import Generation
@@ -520,7 +521,7 @@ async def test_1_a_huge_notepad_is_trimmed_before_the_host_parses_or_tokenizes_i
     task = Task("f", "What is the capital of Freedonia?", ["Fredville"])
     try:
         async with host_health(tools, "1 notepad of 46 MB, context rebuilt around it"):
-            ep = await run_episode(task, policy, k, tools, TOK, cfg)
+            ep = await run_episode(task, QA(cfg), policy, k, tools, TOK, cfg)
             assert ep.status == ANSWERED and ep.truncations >= 1, (ep.status, ep.error)
             rebuilt = TOK.decode(next(s.context_ids for s in ep.steps if s.segment == 1))
             assert "Notepad:\n## Draft\nThe capital of Freedonia" in rebuilt and "characters truncated ...]" in rebuilt
@@ -761,7 +762,7 @@ async def test_6_killing_or_breaking_its_own_kernel_is_the_agents_failure_not_a_
     sandbox = SandboxConfig(workspace_mb=32, tmp_mb=16, max_procs=48, total_memory_mb=256)
     kernels = [Kernel(sandbox, cfg.kernel, tools) for _ in attacks]
     await asyncio.gather(*(k.start() for k in kernels))
-    env = Env(cfg, None, Kernels(kernels), tools, TOK)
+    env = Services(cfg, None, Kernels(kernels), tools, TOK, {"qa": QA(cfg)})
     async with host_health(tools, "6 os._exit, SIG_IGN loop, broken and shadowed str, forged message, own memory"):
         eps = {}
         for name, code in attacks.items():  # one episode each; fill the context so the notepad is read

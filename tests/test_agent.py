@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import pytest_asyncio
 
-from l0_min.agent import SYSTEM_PROMPT, parse_action, run_episode
+from l0_min.agent import parse_action, run_episode
 from l0_min.config import Config
+from l0_min.envs.qa import QA, SYSTEM_PROMPT, WORKED_EXAMPLE
 from l0_min.episode import (
     ANSWERED,
     ENV_ERROR,
@@ -52,7 +53,8 @@ async def fake_episode(actions, cfg=None, **policy_kw):
     tools = FakeTools()
     kernel = FakeKernel(tools)
     policy = ScriptedPolicy(actions, **policy_kw)
-    ep = await run_episode(TASK, policy, kernel, tools, TOK, cfg or config())
+    cfg = cfg or config()
+    ep = await run_episode(TASK, QA(cfg), policy, kernel, tools, TOK, cfg)
     return ep, policy, kernel
 
 
@@ -156,12 +158,11 @@ async def test_prefill_opens_every_assistant_turn_in_the_context_not_the_action(
             assert obs == f"<|im_end|>\n<|im_start|>user\n{a.observation}<|im_end|>\n<|im_start|>assistant\n<think>"
     # the reward recomputes format from action_text, which carries the prefill
     from l0_min.rewards import score_episode
-    score_episode(ep, cfg.reward)
+    score_episode(ep, cfg.reward, QA(cfg))
     assert ep.rewards["format"] == 1.0
 
 
 async def test_worked_example_sits_between_system_and_task_and_survives_a_rebuild():
-    from l0_min.agent import WORKED_EXAMPLE
     cfg = config(worked_example=True, max_steps=10, max_context_tokens=2600, min_action_tokens=64, keep_recent_steps=1)
     actions = [act(f"step {i}", f"print('{i}' * 200)") for i in range(6)] + [act("done", "submit_final_answer('42')")]
     ep, _, _ = await fake_episode(actions, cfg)
@@ -280,7 +281,7 @@ async def test_inference_error_and_abort_end_the_episode():
             return g
 
     tools = FakeTools()
-    ep = await run_episode(TASK, Aborting([act("t", "print(1)")]), FakeKernel(tools), tools, TOK, config())
+    ep = await run_episode(TASK, QA(config()), Aborting([act("t", "print(1)")]), FakeKernel(tools), tools, TOK, config())
     assert ep.status == INFERENCE_ERROR and ep.steps == [] and "aborted" in ep.error
 
 
@@ -368,7 +369,7 @@ async def real_episode(env, actions, cfg, task=ZTASK):
     pool, server = env
     kernel = await pool.acquire()
     try:
-        return await run_episode(task, ScriptedPolicy(actions), kernel, server, TOK, cfg)
+        return await run_episode(task, QA(cfg), ScriptedPolicy(actions), kernel, server, TOK, cfg)
     finally:
         await pool.release(kernel)
 

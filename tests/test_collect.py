@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import pytest_asyncio
 
-from l0_min.collect import Batches, Env, InferenceDown, TaskStream, collect_batch, drop_stale, run_tasks
+from l0_min.collect import Batches, InferenceDown, Services, TaskStream, collect_batch, drop_stale, run_tasks
 from l0_min.config import Config
 from l0_min.episode import ANSWERED, ENV_ERROR, INFERENCE_ERROR, KERNEL_CRASHED, TIMEOUT, Task, training_rows
 from l0_min.inference import Generation, InferenceClient
@@ -30,7 +30,7 @@ from l0_min.sandbox.pool import KernelPool
 from l0_min.search import SearchError
 from l0_min.sandbox.tools import ToolServer
 from bench.scripted_policy import ANSWER, SEARCH, ScriptedPolicyServer, default_script
-from tests.fakes import FakeKernels
+from tests.fakes import FakeKernels, qa_envs
 
 TOK = tiny_tokenizer()
 
@@ -167,7 +167,7 @@ async def test_32_concurrent_episodes_complete_without_a_failure(stack):
     async with policy_over_http(delay=0.05) as (server, client):
         pool = Tracked(stack.pool)
         await pool.prestart(32)  # started first, so all 32 episodes run at once
-        env = Env(cfg, client, pool, stack.tools, TOK)
+        env = Services(cfg, client, pool, stack.tools, TOK, qa_envs(cfg))
         stream = TaskStream(tasks(*(f"question {i}" for i in range(40))), seed=1)
         batch = await asyncio.wait_for(collect_batch(env, stream, cfg.rollout, dynamic_sampling=False), 120)
     assert_well_formed(batch, 16, 2)
@@ -175,7 +175,7 @@ async def test_32_concurrent_episodes_complete_without_a_failure(stack):
     for e in batch.episodes:
         assert e.steps[0].observation.startswith("<output>\n1\n</output>")  # one search hit, printed by the kernel
         assert e.tool_calls == {"web_search": 1, "submit_final_answer": 1}
-        assert e.weight_version == "scripted" and e.rewards["answer"] == 1.0
+        assert e.weight_version == "scripted" and e.rewards["core"] == 1.0
     assert pool.peak == 32 and pool.in_use == 0 and pool.acquired == pool.released == 32
     assert server.requests == 64 and stream.position == 16
     assert batch.stats["episodes_masked"] == batch.stats["env_retries"] == batch.stats["timeouts_dropped"] == 0
@@ -203,7 +203,7 @@ async def test_kernels_killed_mid_cell_are_retried_on_fresh_kernels(stack):
 
     async with policy_over_http(slow_then_answer) as (server, client):
         pool = Tracked(stack.pool)
-        env = Env(cfg, client, pool, stack.tools, TOK)
+        env = Services(cfg, client, pool, stack.tools, TOK, qa_envs(cfg))
 
         async def killer():
             for i in range(4):
@@ -235,12 +235,12 @@ async def test_a_kernel_killed_by_its_own_code_is_the_agents_failure_not_masked(
     cfg = config(batch_size=2, n_samples=2, max_retries=1)
     async with policy_over_http(crash_or_answer) as (server, client):
         pool = Tracked(stack.pool)
-        env = Env(cfg, client, pool, stack.tools, TOK)
+        env = Services(cfg, client, pool, stack.tools, TOK, qa_envs(cfg))
         batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("crash", "fine")), cfg.rollout, False), 90)
     assert_well_formed(batch, 2, 2)
     crashed = [e for e in batch.episodes if e.task.question == "crash"]
     assert len(crashed) == 2 and all(e.status == KERNEL_CRASHED and not e.masked for e in crashed)
-    assert all("it exited with status 1" in e.error and e.rewards["answer"] == 0 for e in crashed)
+    assert all("it exited with status 1" in e.error and e.rewards["core"] == 0 for e in crashed)
     assert all(answered_ok(e) for e in batch.episodes if e.task.question == "fine")
     assert batch.stats["env_retries"] == 0 and batch.stats["episodes_masked"] == 0
     assert pool.acquired == pool.released == 4
@@ -261,7 +261,7 @@ async def test_search_backend_errors_and_stalls_are_environment_failures(stack):
     cfg = config(batch_size=2, n_samples=2, max_retries=1)
     async with policy_over_http(search_for) as (server, client):
         pool = Tracked(stack.pool)
-        env = Env(cfg, client, pool, stack.tools, TOK)
+        env = Services(cfg, client, pool, stack.tools, TOK, qa_envs(cfg))
         batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("boom", "stall")), cfg.rollout, False), 90)
     assert_well_formed(batch, 2, 2)
     boom = [e for e in batch.episodes if e.task.question == "boom"]
@@ -281,7 +281,7 @@ async def test_search_backend_errors_and_stalls_are_environment_failures(stack):
 
 def fake_env(cfg: Config, policy) -> Env:
     pool = Tracked(FakeKernels())
-    return Env(cfg, policy, pool, pool.inner.tools, TOK)
+    return Services(cfg, policy, pool, pool.inner.tools, TOK, qa_envs(cfg))
 
 
 async def test_inference_server_stopped_and_restarted_mid_rollout():
@@ -368,7 +368,7 @@ async def test_dynamic_sampling_drops_groups_without_variance(order, max_extra, 
     assert {k: batch.stats[k] for k in counts} == counts
     for eps in groups_of(batch).values():
         if "mixed" in eps[0].task.id:
-            assert sorted(e.rewards["answer"] for e in eps) == [0.1, 1.0]  # right and wrong: a learning signal
+            assert sorted(e.rewards["core"] for e in eps) == [0.1, 1.0]  # right and wrong: a learning signal
     assert env.kernels.in_use == 0
 
 
@@ -481,14 +481,14 @@ class VersionedPolicy:
 async def test_overlap_collects_ahead_and_staleness_never_exceeds_k(k):
     cfg = config(batch_size=2, n_samples=2)
     policy = VersionedPolicy(delay=0.05)
-    batches = Batches(fake_env(cfg, policy), ListStream(tasks(*"abcdefgh")), cfg.rollout, False, ahead=k)
+    cfg.rollout.overlap = k
+    batches = Batches(fake_env(cfg, policy), ListStream(tasks(*"abcdefgh")), cfg.rollout, False)
     straddling = 0
     try:
         for step in range(5):  # the learner holds weights version `step` and trains on the next batch
-            batch = await asyncio.wait_for(batches.next(), 30)
-            kept, stats = drop_stale(batch.episodes, step, k)
-            assert stats["stale_dropped"] == 0 and kept == batch.episodes
-            assert max(int(key[4:]) for key in stats if key.startswith("lag/")) <= k
+            batch = await asyncio.wait_for(batches.next(step), 30)  # drop_stale(version=step, max_lag=k) inside
+            assert batch.stats["stale_dropped"] == 0 and len(batch.episodes) == 4
+            assert max(int(key[4:]) for key in batch.stats if key.startswith("lag/")) <= k
             straddling += any(len({s.weight_version for s in e.steps}) > 1 for e in batch.episodes)
             await asyncio.sleep(0.07)  # "training": the producer goes on collecting meanwhile
             policy.version = str(step + 1)  # weight sync between generation requests
@@ -501,7 +501,10 @@ async def test_overlap_collects_ahead_and_staleness_never_exceeds_k(k):
 async def test_a_batch_older_than_k_versions_is_dropped_and_counted():
     cfg = config(batch_size=2, n_samples=2)
     policy = VersionedPolicy(delay=0.0)
-    batches = Batches(fake_env(cfg, policy), ListStream(tasks(*"abcd")), cfg.rollout, False, ahead=0)
-    batch = await asyncio.wait_for(batches.next(), 30)
-    kept, stats = drop_stale(batch.episodes, version=2, max_lag=1)  # generated by version 0, trained at 2
-    assert kept == [] and stats["stale_dropped"] == 4 and stats["lag/2"] == sum(e.n_action_tokens for e in batch.episodes)
+    cfg.rollout.overlap = 1
+    batches = Batches(fake_env(cfg, policy), ListStream(tasks(*"abcd")), cfg.rollout, False)
+    try:
+        batch = await asyncio.wait_for(batches.next(2), 30)  # generated by version 0, trained at 2
+    finally:
+        await batches.close()
+    assert batch.episodes == [] and batch.stats["stale_dropped"] == 4 and batch.stats["lag/2"] > 0

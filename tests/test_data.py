@@ -17,7 +17,7 @@ from l0_min.data import (
     load_file,
     load_tasks,
 )
-from l0_min.world import make_world
+from l0_min.envs.qa import make_world
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared benchmark data not present at {SHARED}")
@@ -301,17 +301,21 @@ def test_parquet_without_libraries_is_a_clear_error(tmp_path, monkeypatch):
 # synthetic and corpora
 
 
-def test_load_tasks_synthetic_splits():
-    cfg = DataConfig(synthetic_seed=1, synthetic_entities=30, synthetic_tasks=80)
-    all_ = load_tasks("synthetic", cfg)
-    train, held = load_tasks("synthetic:train", cfg), load_tasks("synthetic:heldout", cfg)
+def test_qa_env_synthetic_splits():
+    from l0_min.config import Config
+    from l0_min.envs.qa import QA
+
+    cfg = Config(data=DataConfig(synthetic_seed=1, synthetic_entities=30, synthetic_tasks=80))
+    env = QA(cfg)
+    all_ = env.tasks("synthetic")
+    train, held = env.tasks("synthetic:train"), env.tasks("synthetic:heldout")
     assert len(all_) == 80 and len(train) + len(held) == 80 and held
     assert {t.id for t in train} | {t.id for t in held} == {t.id for t in all_}
     assert not {t.id for t in train} & {t.id for t in held}
-    assert len(load_tasks("synthetic", cfg, limit=5)) == 5
-    assert corpus_from_tasks(held) == make_world(1, 30).corpus  # the whole world's pages
-    with pytest.raises(DataError, match="synthetic:train or synthetic:heldout"):
-        load_tasks("synthetic:dev", cfg)
+    assert len(env.tasks("synthetic", limit=5)) == 5
+    assert corpus_from_tasks(held) == env.corpus(held) == make_world(1, 30).corpus  # the whole world's pages
+    with pytest.raises(ValueError, match="synthetic:train or synthetic:heldout"):
+        env.tasks("synthetic:dev")
 
 
 def test_load_corpus_forms_and_errors(tmp_path):

@@ -8,7 +8,8 @@ import pytest
 
 from l0_min.config import LogConfig
 from l0_min.episode import Episode, Step, Task
-from l0_min.log import (STEP_HEADER, MetricsLogger, RunDir, batch_metrics, format_step_row, plot_rewards,
+from tests.fakes import qa_envs
+from l0_min.log import (MetricsLogger, RunDir, batch_metrics, format_step_row, plot_rewards, step_header,
                         read_episodes, read_jsonl)
 
 
@@ -172,8 +173,9 @@ def test_plot_rewards_writes_a_png(tmp_path):
 
 def test_step_row():
     m = batch_metrics(hand_made_batch()) | {"seconds": 83.456}
-    row = format_step_row(12, m)
-    assert STEP_HEADER == "  step  reward     EM format   exec steps/ep  tok/ep     sec"
+    envs = qa_envs(None)
+    row, header = format_step_row(12, m, ["qa"], envs), step_header(["qa"], envs)
+    assert header == "  step  reward     EM format   exec steps/ep  tok/ep     sec"
     assert row == "    12   0.433  0.333  0.833  0.500     2.50       9    83.5"
-    assert len(row) == len(STEP_HEADER)
-    assert format_step_row(1, {}) == "     1" + "".join(f"{'-':>{w}}" for w in (8, 7, 7, 7, 9, 8, 8))
+    assert len(row) == len(header)
+    assert format_step_row(1, {}, ["qa"], envs) == "     1" + "".join(f"{'-':>{w}}" for w in (8, 7, 7, 7, 9, 8, 8))

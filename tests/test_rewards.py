@@ -149,6 +149,13 @@ GOOD = "<think>I should search the corpus.</think><code>web_search('Paris')</cod
 BAD = "I will just answer."
 
 
+def _qa(reward_cfg):
+    from l0_min.config import Config
+    from l0_min.envs.qa import QA
+
+    return QA(Config(reward=reward_cfg))
+
+
 def _episode(answer, steps):
     ep = Episode(Task("t1", "What is the capital of France?", ["Paris"]))
     ep.final_answer = answer
@@ -158,34 +165,34 @@ def _episode(answer, steps):
 
 def test_score_episode_worked_example():
     ep = _episode("paris", [(GOOD, True), (BAD, False), (GOOD, None), (GOOD, True)])
-    score_episode(ep, RewardConfig())
+    score_episode(ep, RewardConfig(), _qa(RewardConfig()))
     per_step = [s.reward for s in ep.steps]
     assert per_step == pytest.approx([0.1 / 4 + 0.1 / 3, 0.0, 0.1 / 4, 0.1 / 4 + 0.1 / 3 + 0.8], abs=1e-12)
     assert [s.format_ok for s in ep.steps] == [True, False, True, True]
     assert ep.reward == pytest.approx(0.8 * 1.0 + 0.1 * 0.75 + 0.1 * 2 / 3, abs=1e-12)
     assert ep.reward == pytest.approx(0.941666666666667, abs=1e-12)
     assert sum(per_step) == pytest.approx(ep.reward, abs=1e-12)
-    assert ep.rewards == pytest.approx({"answer": 1.0, "format": 0.75, "exec": 2 / 3, "em": 1.0, "f1": 1.0,
+    assert ep.rewards == pytest.approx({"core": 1.0, "format": 0.75, "exec": 2 / 3, "em": 1.0, "f1": 1.0,
                                         "has_answer": 1.0, "total": ep.reward}, abs=1e-12)
 
 
 def test_score_episode_wrong_answer_and_no_answer():
     ep = _episode("Lyon", [(GOOD, True), (GOOD, False)])
-    score_episode(ep, RewardConfig())
+    score_episode(ep, RewardConfig(), _qa(RewardConfig()))
     # answer = 0.1 (answered, wrong); format 1; exec 0.5
     assert ep.reward == pytest.approx(0.8 * 0.1 + 0.1 * 1.0 + 0.1 * 0.5, abs=1e-12)
     assert [s.reward for s in ep.steps] == pytest.approx([0.05 + 0.05, 0.05 + 0.0 + 0.08], abs=1e-12)
     assert ep.rewards["em"] == 0.0 and ep.rewards["has_answer"] == 1.0
 
     ep = _episode(None, [(BAD, None)])
-    score_episode(ep, RewardConfig())
+    score_episode(ep, RewardConfig(), _qa(RewardConfig()))
     assert ep.reward == 0.0 and ep.steps[0].reward == 0.0
     assert ep.rewards["has_answer"] == 0.0 and ep.rewards["exec"] == 0.0
 
 
 def test_score_episode_without_steps():
     ep = _episode("Paris", [])
-    score_episode(ep, RewardConfig())
+    score_episode(ep, RewardConfig(), _qa(RewardConfig()))
     assert ep.reward == pytest.approx(0.8, abs=1e-12)
     assert ep.rewards["format"] == 0.0 and ep.rewards["exec"] == 0.0
 
@@ -195,14 +202,14 @@ def test_score_episode_uses_config_weights_and_metric():
                        answer_metric="f1")
     ep = _episode("president Barack Obama", [(GOOD, True)])
     ep.task.answers = ["Barack Obama"]
-    score_episode(ep, cfg)
+    score_episode(ep, cfg, _qa(cfg))
     assert ep.reward == pytest.approx(0.8, abs=1e-12)  # F1 = 0.8
     assert ep.rewards["em"] == 0.0 and ep.rewards["f1"] == pytest.approx(0.8, abs=1e-12)
 
     cfg = RewardConfig(min_think_chars=100)
     ep = _episode("Paris", [(GOOD, True)])
-    score_episode(ep, cfg)
+    score_episode(ep, cfg, _qa(cfg))
     assert ep.steps[0].format_ok is False and ep.rewards["format"] == 0.0
 
     with pytest.raises(ValueError, match="answer_metric"):
-        score_episode(_episode("Paris", []), RewardConfig(answer_metric="bleu"))
+        score_episode(_episode("Paris", []), RewardConfig(answer_metric="bleu"), _qa(RewardConfig(answer_metric="bleu")))

@@ -15,7 +15,7 @@ from l0_min.search import (
     SerperBackend,
     make_backend,
 )
-from l0_min.world import make_world
+from l0_min.envs.qa import make_world
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,6 +4,7 @@
     await server.start()
     path = server.open_episode(kernel.id)     # the kernel's sandbox binds this socket (and only it)
     ...                                       # in the kernel: web_search, read_page, submit_final_answer
+    server.allow(kernel.id, ("web_search",))  # the task's search tools (default: all; submit_final_answer always)
     server.final_answer(kernel.id)            # recorded when the call arrived; None if none
     server.backend_errors(kernel.id)          # search / page backend failures of the episode
     server.close_episode(kernel.id)
@@ -54,6 +55,7 @@ class ToolServer:
         self._sites: dict[str, tuple[str, socket.socket, set]] = {}  # open: key -> (path, listener, connections)
         self._by_path: dict[str, str] = {}  # socket path -> key
         self._answers: dict[str, str] = {}
+        self._allowed: dict[str, tuple[str, ...]] = {}  # key -> the search tools its task may call
         self._calls: dict[str, Counter] = {}
         self._errors: dict[str, list[str]] = {}  # backend failures (timeouts, exceptions) per episode
         self._closed_keys: OrderedDict[str, None] = OrderedDict()  # closed episodes, oldest first
@@ -141,8 +143,12 @@ class ToolServer:
         self._closed_keys[key] = None
         while len(self._closed_keys) > self.keep_closed:
             old, _ = self._closed_keys.popitem(last=False)
-            for records in (self._answers, self._calls, self._errors):
+            for records in (self._answers, self._calls, self._errors, self._allowed):
                 records.pop(old, None)
+
+    def allow(self, key: str, tools: tuple[str, ...]) -> None:
+        """The search tools this episode's task may call (its environment's); the others are refused."""
+        self._allowed[key] = tuple(tools)
 
     def final_answer(self, key: str) -> str | None:
         return self._answers.get(key)
@@ -174,6 +180,8 @@ class ToolServer:
             return _reply(False, 'the request must be JSON {"tool": name, "args": {...}}', 400)
         if tool not in TOOLS:
             return _reply(False, f"unknown tool {tool!r} (known: {', '.join(TOOLS)})", 400)
+        if tool != "submit_final_answer" and tool not in self._allowed.get(key, TOOLS):
+            return _reply(False, f"{tool} is not available in this task", 403)
         self._calls[key][tool] += 1
         try:
             if tool == "submit_final_answer":

@@ -1,4 +1,14 @@
-"""A synthetic offline world: a seeded, invented encyclopedia and questions answerable only by searching it.
+"""Question answering with search (L0's task): the agent searches a corpus with `web_search` / `read_page`
+and submits a short answer, scored by exact match (0.9 EM + 0.1 for answering) with F1 beside it.
+
+    env = make_env(cfg)
+    env.tasks("synthetic:train")   # the synthetic world below (data.synthetic_*), or "synthetic:heldout"
+    env.tasks("hotpotqa")          # a benchmark name or a file (l0_min.data: HotpotQA, MuSiQue, NQ, ...)
+
+Search runs over the tasks' own paragraphs (HotpotQA / MuSiQue contexts, the world's pages) unless
+tools.search / tools.corpus say otherwise (l0_min.search).
+
+The synthetic world: a seeded, invented encyclopedia and questions answerable only by searching it.
 
 People, cities (in invented countries) and organisations get invented names and facts (dates,
 populations, head counts), one encyclopedia page each. Questions are 1- to 3-hop lookups,
@@ -30,7 +40,10 @@ import random
 import re
 from dataclasses import dataclass, field
 
-from l0_min.episode import Task
+from l0_min import data
+from l0_min.envs import TaskEnvBase
+from l0_min.episode import Episode, Task
+from l0_min.rewards import answer_reward, exact_match, f1_score, has_answer
 
 # ---------------------------------------------------------------------------------------- names
 
@@ -412,25 +425,71 @@ def expert_actions(task: Task) -> list[str]:
     return actions + [f"<think>{read[-1]}</think>\n<code>submit_final_answer({answer})</code>"]
 
 
-class ExpertPolicy:
-    """`expert_actions` behind the Policy interface, so expert episodes run through the real agent loop,
-    kernels and tools like sampled ones (their observations are real). The task is the context's last
-    "Task: ..." line; the step is the number of observations after it. Log-probs are 0 (not sampled)."""
+# ------------------------------------------------------------------------------- the environment
 
-    def __init__(self, tasks: list[Task], tokenizer, prefill: str = ""):
-        self.by_question = {t.question: t for t in tasks}
-        self.tokenizer, self.prefill = tokenizer, prefill
+SYSTEM_PROMPT = """\
+You solve tasks by writing Python in a Jupyter notebook. Each step, write your reasoning in \
+<think>...</think>, then one code cell in <code>...</code>. The cell runs in a persistent kernel \
+and you get its output in <output>...</output>.
 
-    async def health(self) -> bool:
-        return True
+Preloaded in the kernel:
+- web_search(query, k=3): search results; print them to see each title, ref and snippet
+- read_page(ref): the text of the page with that ref
+- notepad: your memory. notepad.todo and notepad.facts are lists, notepad.draft is a string, \
+notepad.render() shows it all. When the context gets long, old steps are dropped, but the notepad \
+and your variables survive.
+- submit_final_answer(answer): give a short final answer. Only this ends the task.
 
-    async def generate(self, input_ids: list[int], sampling: dict):
-        from l0_min.inference import Generation
+Example step:
+<think>I need the capital of France. I will note the plan and search.</think>
+<code>notepad.todo.append("find the capital of France")
+print(web_search("capital of France"))</code>"""
 
-        text = self.tokenizer.decode(input_ids)
-        question = re.findall(r"Task: (.*?)\nYou have", text)[-1]
-        actions = expert_actions(self.by_question[question])
-        action = actions[min(text.rsplit("Task: ", 1)[1].count("<output>"), len(actions) - 1)]
-        action = action[len(self.prefill):] if self.prefill and action.startswith(self.prefill) else action
-        ids = self.tokenizer.encode(action, add_special_tokens=False)  # the context already ends with the prefill
-        return Generation(ids, [0.0] * len(ids), "stop", "</code>")
+# One solved task as earlier chat turns (`agent.worked_example`): a small model copies the shape of
+# a real exchange far more reliably than a description of it. Its tools' output is shown as they print.
+WORKED_EXAMPLE = (
+    {"role": "user", "content": "Task: In which year was the Orlen Bridge opened?\nYou have 3 steps."},
+    {"role": "assistant", "content": "<think>I should search for the Orlen Bridge and read the results.</think>\n"
+                                     "<code>print(web_search(\"Orlen Bridge opened\"))</code>"},
+    {"role": "user", "content": "<output>\n[1] Orlen Bridge (ref: orlen-bridge)\n    The Orlen Bridge was opened in "
+                                "1894 after six years of work.\n</output>\n[2 steps left]"},
+    {"role": "assistant", "content": "<think>The result says the bridge was opened in 1894. I submit that.</think>\n"
+                                     "<code>submit_final_answer(\"1894\")</code>"},
+)  # fmt: skip
+
+
+class QA(TaskEnvBase):
+    metrics = ("em", "f1")
+    tools = ("web_search", "read_page")
+    system_prompt, worked_example = SYSTEM_PROMPT, WORKED_EXAMPLE
+
+    def tasks(self, source: str, limit: int | None = None) -> list[Task]:
+        """"synthetic[:train|:heldout]" (the world of data.synthetic_*), a benchmark name or a file."""
+        d = self.cfg.data
+        if source.split(":")[0] != "synthetic":
+            return data.load_tasks(source, d, limit)
+        part = source.split(":", 1)[1] if ":" in source else "all"
+        w = make_world(d.synthetic_seed, d.synthetic_entities, d.synthetic_tasks)
+        parts = dict(zip(("train", "heldout"), split(w.tasks, d.synthetic_heldout)), all=w.tasks)
+        if part not in parts:
+            raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
+        return [t for t in parts[part] if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
+
+    def score(self, ep: Episode) -> dict[str, float]:
+        """L0's answer reward (0.9 * EM + 0.1 * answered; reward.answer_metric "f1" puts F1 in place of EM)."""
+        r, pred, golds = self.cfg.reward, ep.final_answer, ep.task.answers
+        em, f1 = exact_match(pred, golds), f1_score(pred, golds)
+        if r.answer_metric not in ("em", "f1"):
+            raise ValueError(f"reward.answer_metric must be 'em' or 'f1', got {r.answer_metric!r}")
+        core = answer_reward(pred, golds, r.em_weight, r.has_answer_weight, f1 if r.answer_metric == "f1" else None)
+        return {"core": core, "em": em, "f1": f1, "has_answer": float(has_answer(pred))}
+
+    def expert(self, task: Task) -> list[str]:
+        return expert_actions(task)
+
+    def corpus(self, tasks: list[Task]) -> list[dict]:
+        return data.corpus_from_tasks(tasks)
+
+
+def make_env(cfg) -> QA:
+    return QA(cfg)
