@@ -65,7 +65,7 @@ BENCHMARKS = {
     "simpleqa": ("basicv8vc/SimpleQA", "simple_qa_test_set.csv"), "hotpotqa": (_FLASHRAG, "hotpotqa/dev.jsonl"),
     "musique": (_FLASHRAG, "musique/dev.jsonl"), "2wikimultihopqa": (_FLASHRAG, "2wikimultihopqa/dev.jsonl"),
     "bamboogle": (_FLASHRAG, "bamboogle/test.jsonl"), "nq": (_FLASHRAG, "nq/test.jsonl"),
-    "triviaqa": (_FLASHRAG, "triviaqa/test.jsonl"),
+    "triviaqa": (_FLASHRAG, "triviaqa/test.jsonl"), "gsm8k": ("openai/gsm8k", "main/test-00000-of-00001.parquet"),
 }
 ALIASES = {"2wiki": "2wikimultihopqa", "nq_open": "nq", "nq-open": "nq", "simple_qa": "simpleqa",
            "hotpot": "hotpotqa", "hotpot_qa": "hotpotqa", "trivia_qa": "triviaqa"}
