@@ -74,7 +74,7 @@ from l0_min.episode import sft_rows, training_rows  # noqa: E402
 from l0_min.evaluation import two_proportion_z_test  # noqa: E402
 from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
 from l0_min.log import (MetricsLogger, RunDir, batch_metrics, eval_summaries, format_eval, format_step_row,  # noqa: E402
-                        plot_rewards, step_header)
+                        label, plot_rewards, step_header)
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
@@ -180,7 +180,7 @@ if rank0:
             return None
         return job.result()
 
-    evals: dict[int, dict] = {}  # step -> {(environment | "all", "sampled" | "greedy"): (successes, episodes)}
+    evals: dict[int, dict] = {}  # step -> {(environment | "all", "sampled" | "greedy"): (successes, n, metric)}
 
     def evaluate(step: int) -> None:
         """The held-out tasks, scored by their environments: each one's headline metric with a 95% interval, per
@@ -196,7 +196,7 @@ if rank0:
             run.write_trajectories(step, eps, prefix="eval" if mode == "sampled" else "eval-greedy")
             record = {key + "seconds": time.perf_counter() - t0}
             for name, m in eval_summaries(eps, envs).items():
-                evals.setdefault(step, {})[name, mode] = m["successes"], m["n"]
+                evals.setdefault(step, {})[name, mode] = m["successes"], m["n"], label(m["metric"])
                 record |= {f"{key}{'' if name == 'all' else name + '/'}{k}": v for k, v in m.items()}
                 print(f"eval @ step {step} ({mode}{'' if name == 'all' else ', ' + name}): {format_eval(m)} "
                       f"({record[key + 'seconds']:.0f} s)", flush=True)
@@ -337,10 +337,10 @@ if rank0:
         evaluate(step)
     for phase, a, b in (("SFT", 0, sft_steps), ("RL", sft_steps, last)):  # each phase's held-out gain, and its test
         for name, mode in [k for k in evals.get(b, {}) if k in evals.get(a, {})] if a != b else ():  # run at both
-            (c1, n1), (c2, n2) = evals[b][name, mode], evals[a][name, mode]
+            (c1, n1, what), (c2, n2, _) = evals[b][name, mode], evals[a][name, mode]
             diff, _, p = two_proportion_z_test(c1, n1, c2, n2)
-            what = "all" if name == "all" else envs[name].metrics[0]
-            print(f"{phase} phase ({mode}{'' if name == 'all' and len(envs) == 1 else ', ' + name}): held-out {what} "
+            several = any(k[0] != "all" for k in evals[b])
+            print(f"{phase} phase ({mode}{', ' + name if several else ''}): held-out {what} "
                   f"{c2 / n2:.3f} -> {c1 / n1:.3f} ({diff:+.3f}), two-proportion z-test p = {p:.2g} "
                   f"(n = {n2} and {n1} episodes)", flush=True)
     runner.run(batches.close())

@@ -205,7 +205,8 @@ def eval_summaries(episodes: list[Episode], envs: dict) -> dict[str, dict]:
         | {"all": summary(episodes, ())}
 
 
-def _label(metric: str) -> str:
+def label(metric: str) -> str:
+    """How tables name a metric: short ones in capitals (em -> EM)."""
     return metric.upper() if len(metric) <= 3 else metric
 
 
@@ -216,8 +217,8 @@ def format_eval(m: dict) -> str:
     ...                    "answered": 1.0, "reward": 0.5}))
     EM 50.0 (95% CI 15.0-85.0) | F1 75.0 | answered 100.0 | 4 episodes | reward 0.500
     """
-    others = [f"{_label(k)} {100 * m[k]:.1f}" for k in m if k not in _SUMMARY_KEYS and k != m["metric"]]
-    return " | ".join([f"{_label(m['metric'])} {100 * m['score']:.1f} (95% CI {100 * m['score_ci'][0]:.1f}-"
+    others = [f"{label(k)} {100 * m[k]:.1f}" for k in m if k not in _SUMMARY_KEYS and k != m["metric"]]
+    return " | ".join([f"{label(m['metric'])} {100 * m['score']:.1f} (95% CI {100 * m['score_ci'][0]:.1f}-"
                        f"{100 * m['score_ci'][1]:.1f})", *others, f"answered {100 * m['answered']:.1f}",
                        f"{m['n']} episodes", f"reward {m['reward']:.3f}"])
 
@@ -336,7 +337,7 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     fig = Figure(figsize=(13, 3.8), dpi=100, layout="constrained")
     axes = fig.subplots(1, 3)
     metric = next((r["eval/metric"] for r in reversed(records) if isinstance(r.get("eval/metric"), str)), "score")
-    for ax, title in zip(axes, (f"held-out {_label(metric)}", "training signal", "RL rates")):
+    for ax, title in zip(axes, (f"held-out {label(metric)}", "training signal", "RL rates")):
         ax.set(title=title, xlabel="learner step")
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -345,23 +346,23 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
                 steps = [r["step"] for r in rs]
                 ax.axvspan(min(steps) - 1, max(steps), color=color, alpha=0.07, label=phase)
 
-    def line(ax, rs, key, label, **kw):
+    def line(ax, rs, key, name, **kw):
         pts = [(r["step"], r[key]) for r in rs if _is_number(r.get(key))]
         if pts:
-            ax.plot(*zip(*pts), label=label, marker="o" if len(pts) <= 40 else None, markersize=3, **kw)
+            ax.plot(*zip(*pts), label=name, marker="o" if len(pts) <= 40 else None, markersize=3, **kw)
 
-    for key, label, shift in (("eval/score", "sampled", -0.08), ("eval/greedy/score", "greedy", 0.08)):
+    for key, mode, shift in (("eval/score", "sampled", -0.08), ("eval/greedy/score", "greedy", 0.08)):
         pts = [(r["step"], r[key], r.get(key + "_ci") or [r[key]] * 2) for r in records if _is_number(r.get(key))]
         if pts:
             xs, ys, cis = zip(*pts)
             err = [[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]]
-            axes[0].errorbar([x + shift for x in xs], ys, yerr=err, fmt="o-", capsize=3, label=label)
+            axes[0].errorbar([x + shift for x in xs], ys, yerr=err, fmt="o-", capsize=3, label=mode)
     for key in sorted({k for r in records for k in r if re.fullmatch(r"eval/[^/]+/score", k) and "greedy" not in k}):
         line(axes[0], records, key, key.split("/")[1] + " (sampled)", linestyle="--", linewidth=1)
     line(axes[1], sft, "train/loss", "SFT loss", color="tab:purple")
     line(axes[1], rl, "reward", "RL reward", color="tab:green", linewidth=2)
-    for key, label in (("reward/format", "format"), ("reward/exec", "exec"), ("answered_rate", "answered")):
-        line(axes[2], rl, key, label)
+    for key, name in (("reward/format", "format"), ("reward/exec", "exec"), ("answered_rate", "answered")):
+        line(axes[2], rl, key, name)
     for ax in (axes[0], axes[2]):
         ax.set_ylim(-0.03, 1.03)  # rates: a fixed scale reads at a glance
     for ax in axes:
@@ -396,7 +397,7 @@ def _columns(names: list[str], envs: dict) -> list[tuple]:
         if h != "{score}":
             out.append((h, key, w, f))
         elif len(names) == 1:
-            out.append((_label(envs[names[0]].metrics[0]), f"reward/{envs[names[0]].metrics[0]}", w, f))
+            out.append((label(envs[names[0]].metrics[0]), f"reward/{envs[names[0]].metrics[0]}", w, f))
         else:
             out += [(n, f"env/{n}/{envs[n].metrics[0]}", max(w, len(n) + 1), f) for n in names]
     return out

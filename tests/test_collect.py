@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import pytest_asyncio
 
-from l0_min.collect import Batches, InferenceDown, Services, TaskStream, collect_batch, drop_stale, run_tasks
+from l0_min.collect import Batches, InferenceDown, Services, TaskStream, collect_batch, run_tasks
 from l0_min.config import Config
 from l0_min.episode import ANSWERED, ENV_ERROR, INFERENCE_ERROR, KERNEL_CRASHED, TIMEOUT, Task, training_rows
 from l0_min.inference import Generation, InferenceClient
@@ -279,7 +279,7 @@ async def test_search_backend_errors_and_stalls_are_environment_failures(stack):
 # part 2: the collector's logic on in-process fake kernels
 
 
-def fake_env(cfg: Config, policy) -> Env:
+def fake_env(cfg: Config, policy) -> Services:
     pool = Tracked(FakeKernels())
     return Services(cfg, policy, pool, pool.inner.tools, TOK, qa_envs(cfg))
 

@@ -213,3 +213,18 @@ def test_score_episode_uses_config_weights_and_metric():
 
     with pytest.raises(ValueError, match="answer_metric"):
         score_episode(_episode("Paris", []), RewardConfig(answer_metric="bleu"), _qa(RewardConfig(answer_metric="bleu")))
+
+
+def test_an_action_cut_off_by_the_token_limit_is_not_well_formed_in_the_reward_either():
+    """One format rule (rewards.format_ok): the agent and the reward agree that `<think>...</think><code>print(123`
+    cut off by the token limit (finish_reason "length") is malformed; stopped at </code> (trimmed) it is fine."""
+    cut = "<think>print a number for the task</think><code>print(123"
+    ep = _episode(None, [(cut, None)])
+    ep.steps[0].finish_reason = "length"
+    score_episode(ep, RewardConfig(), _qa(RewardConfig()))
+    assert ep.steps[0].format_ok is False and ep.rewards["format"] == 0.0
+    ep.steps[0].finish_reason = "stop"
+    score_episode(ep, RewardConfig(), _qa(RewardConfig()))
+    assert ep.steps[0].format_ok is True and ep.rewards["format"] == 1.0
+    from l0_min.agent import parse_action
+    assert parse_action(cut, "length").format_ok is False and parse_action(cut, "stop", "</code>").format_ok is True
