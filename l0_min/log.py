@@ -355,7 +355,7 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
         pts = [(r["step"], r[key], r.get(key + "_ci") or [r[key]] * 2) for r in records if _is_number(r.get(key))]
         if pts:
             xs, ys, cis = zip(*pts)
-            err = [[y - c[0] for y, c in zip(ys, cis)], [c[1] - y for y, c in zip(ys, cis)]]
+            err = [[max(0.0, y - c[0]) for y, c in zip(ys, cis)], [max(0.0, c[1] - y) for y, c in zip(ys, cis)]]
             axes[0].errorbar([x + shift for x in xs], ys, yerr=err, fmt="o-", capsize=3, label=mode)
     for key in sorted({k for r in records for k in r if re.fullmatch(r"eval/[^/]+/score", k) and "greedy" not in k}):
         line(axes[0], records, key, key.split("/")[1] + " (sampled)", linestyle="--", linewidth=1)

@@ -82,8 +82,9 @@ def test_a_new_environment_from_the_readme_trains_through_train_py_mixed_with_qa
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert "SFT: 8 expert episodes of 8 tasks" in p.stdout, p.stdout[-3000:]  # every expert episode solved its task
-    for name in ("qa", "letters_env", "all"):
+    for name in ("qa", "letters_env"):
         assert f"eval @ step 4 (sampled, {name}): " in p.stdout and f"RL phase (sampled, {name}): held-out" in p.stdout
+    assert "eval @ step 4 (sampled): solved " in p.stdout and "RL phase (sampled, all): held-out solved" in p.stdout
     header = next(line for line in p.stdout.splitlines() if line.lstrip().startswith("step  reward"))
     assert header.split()[2:4] == ["letters_env", "qa"], header  # one headline column per environment
     run = Path(p.stdout.split("run folder: ")[1].split()[0])
