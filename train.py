@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import datetime
 import os
+import random
 import shutil
 import signal
 import sys
@@ -248,17 +249,14 @@ signal.signal(signal.SIGTERM, on_signal)
 
 step, exit_code, stopped = start_step, 0, False
 if step < sft_steps:
-    if rank0:  # the first sft.episodes tasks of the training stream that have an expert (of sft.kinds: meta 'kind')
-        shown, seen, draws = [], set(), TaskStream(train_sources, weights, seed=cfg.run.seed)
-        while len(shown) < cfg.sft.episodes and draws.position < 100 * max(cfg.sft.episodes, len(train_tasks)):
-            t = draws.next()
-            if t.id not in seen and (not cfg.sft.kinds or t.meta.get("kind") in cfg.sft.kinds) \
-                    and envs[t.env].expert(t) is not None:
-                seen.add(t.id)
-                shown.append(t)
+    if rank0:  # each source's first tasks that have an expert (of sft.kinds: meta 'kind'), sft.episodes by weight
+        wanted = lambda t: (not cfg.sft.kinds or t.meta.get("kind") in cfg.sft.kinds) and envs[t.env].expert(t) is not None
+        shown = [t for ts, w in zip(train_sources, weights)
+                 for t in [t for t in ts if wanted(t)][: round(cfg.sft.episodes * w / sum(weights))]]
         expert = dataclasses.replace(svc, policy=ExpertPolicy(shown, envs, learner.tokenizer, cfg.agent.prefill))
         demos = [e for e in runner.run(run_tasks(expert, shown))  # the solved ones
                  if e.rewards.get(envs[e.task.env].metrics[0]) == 1.0]
+        random.Random(cfg.run.seed).shuffle(demos)  # SFT batches mix the sources
         run.write_trajectories(0, demos, prefix="sft")
         print(f"SFT: {len(demos)} expert episodes of {len(shown)} tasks ({', '.join(cfg.sft.kinds) or 'all kinds'}), "
               f"{sft_steps} steps of {cfg.sft.batch_size}", flush=True)
