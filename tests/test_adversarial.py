@@ -31,7 +31,7 @@ from l0_min.sandbox import cgroup
 from l0_min.sandbox.kernel import Kernel
 from l0_min.sandbox.tools import ToolServer
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]  # attacks take seconds each
 module_fixture = pytest_asyncio.fixture(scope="module", loop_scope="module")
 
 PROJECT = Path(__file__).resolve().parents[1]

@@ -587,6 +587,7 @@ def results_of(out: Path) -> list[dict]:
     return list({(r["id"], r["sample"]): r for r in read_results(out / "results.jsonl")}.values())
 
 
+@pytest.mark.slow
 def test_agent_answering_from_gold_scores_em_1_on_a_closed_corpus(server, tmp_path):
     data = hotpot_file(tmp_path)
     server.use(tasks_of(data))
@@ -614,6 +615,7 @@ def test_agent_answering_from_gold_scores_em_1_on_a_closed_corpus(server, tmp_pa
     assert "scores: EM/F1 official (hotpot_evaluate_v1.py normalisation)" in table  # item 5: the summary says so
 
 
+@pytest.mark.slow
 def test_agent_that_never_answers_scores_0_and_is_not_attempted(server, tmp_path):
     data = tmp_path / "bamboogle.csv"
     data.write_text("Question,Answer\nWho wrote Hamlet?,William Shakespeare\nWhat is the capital of France?,Paris\n")
@@ -664,6 +666,7 @@ def test_direct_mode_and_resume_with_more_questions_and_samples(server, tmp_path
         cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", out=out, url=server.url, model="smollm2-135m")
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_the_uninterrupted_summary(server, tmp_path):
     data = hotpot_file(tmp_path)
     tasks = tasks_of(data)
@@ -749,6 +752,7 @@ def test_table_of_finished_runs(server, tmp_path, capsys):
     assert "EM\n| model | mode | HotpotQA |\n| --- | --- | ---: |\n| tiny-random | direct | 100.0 |\n\nF1\n" in out
 
 
+@pytest.mark.slow
 def test_cli_errors_are_clear(tmp_path):
     data = hotpot_file(tmp_path)
     with pytest.raises(EvalError, match=r"^http://127.0.0.1:9 not ready after \d+ s \(inference.ready_timeout\); last"):
@@ -767,6 +771,7 @@ def test_cli_errors_are_clear(tmp_path):
 # issue 13: evaluate.py as users type it
 
 
+@pytest.mark.slow
 def test_offline_bench_without_data_exits_fast_with_one_actionable_line(tmp_path):  # item 1
     env = {k: v for k, v in os.environ.items() if k not in ("L0_MIN_DATA", "HF_HUB_OFFLINE")}
     env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # a hub that refuses, an empty cache
@@ -782,6 +787,7 @@ def test_offline_bench_without_data_exits_fast_with_one_actionable_line(tmp_path
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_configuration_error_before_any_sample_is_one_line(server, tmp_path):  # item 6
     data = tmp_path / "bamboogle.csv"
     data.write_text("Question,Answer\nWho wrote Hamlet?,William Shakespeare\n")

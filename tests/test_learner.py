@@ -27,24 +27,28 @@ def report(tmp_path_factory):
     return json.loads((tmp / "report.json").read_text())
 
 
+@pytest.mark.slow
 def test_two_rank_fsdp_step_equals_single_process_step(report):
     assert report["loss_fsdp"] == pytest.approx(report["loss_ref"], rel=1e-5, abs=1e-7)
     assert report["max_weight_change"] > 1e-3  # the step really moved the weights
     assert report["max_weight_diff"] < 1e-4
 
 
+@pytest.mark.slow
 def test_exported_folder_reloads_bit_exactly(report):
     assert report["export_bit_exact"] is True
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= set(report["export_files"])
     assert report["export_tokenizer_ok"] is True
 
 
+@pytest.mark.slow
 def test_export_in_the_serving_dtype(report):
     assert report["bf16_absolute"] is True
     assert report["bf16_dtypes"] == ["torch.bfloat16"] and report["bf16_config_dtype"] == "bfloat16"
     assert report["bf16_equal"] is True  # the fp32 masters, rounded once
 
 
+@pytest.mark.slow
 def test_truncated_importance_weights_and_band_give_their_exact_numbers_on_2_ranks(report):
     tis = report["tis"]  # the behaviour policy: the sampler's log-probs against the learner's (prox)
     assert tis["own"]["mismatch/abs_log_ratio_max"] < 1e-5 and tis["own"]["tis/truncated_frac"] == 0.0
@@ -55,6 +59,7 @@ def test_truncated_importance_weights_and_band_give_their_exact_numbers_on_2_ran
     assert tis["band"]["tis/masked_frac"] == 1.0 and tis["band"]["pg_loss"] == 0.0
 
 
+@pytest.mark.slow
 def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     lora = report["lora"]  # LoRA under FSDP2 on 2 ranks == a plain peft step on one process, exported merged
     assert 0 < lora["trainable"] < lora["all"] / 4
@@ -62,6 +67,7 @@ def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     assert lora["max_logit_diff_vs_plain_peft"] < 1e-4 and lora["keys_as_base"] and lora["base_changed"] > 0
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_next_step(report):
     assert report["resume_extra"] == {"data_position": 1}
     assert report["loss_step2_resumed"] == report["loss_step2"]
@@ -69,6 +75,7 @@ def test_resume_reproduces_the_next_step(report):
     assert report["lr_after"][0] == report["lr_after"][1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [0, 1])
 def test_learner_raises_reward_of_multistep_env(tmp_path, overlap):
     """The short version of bench/learn.py: random policy (1/16) to >= 0.8 on fresh episodes, also when the
