@@ -38,12 +38,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def valid_text(text: str) -> str:
-    """`text` with every lone surrogate (which no tokenizer or UTF-8 file takes) replaced by U+FFFD: what a
-    sandbox sends is any str (`notepad.draft = chr(0xD800)`, a forged message), and it is the agent's.
-
-    >>> valid_text("a\\ud800b") == "a\\ufffdb"
-    True
-    """
+    """`text` with its lone surrogates (no tokenizer or UTF-8 file takes them; a sandbox sends any str) as U+FFFD."""
     return _SURROGATE.sub("\ufffd", text)
 
 

@@ -6,7 +6,8 @@ An evaluation folder (default `runs/eval/<bench>-<model>-<mode>`) holds:
     run.json            what is evaluated (bench, data file, mode, model, sampling, agent budgets);
                         a rerun into the same folder must match it, and then resumes
     results.jsonl       one record per finished (question, sample), appended and flushed as each one
-                        finishes, so a killed run loses only the samples that were in flight
+                        finishes (and again once judged), so a killed run or a failed judge loses
+                        only the samples in flight
     trajectories.jsonl  agent mode: the whole Episode behind each record (viewer.html shows them)
     summary.json, summary.md, config.yaml, server.log
 
@@ -16,9 +17,6 @@ A record (one line of results.jsonl):
      "prediction": "..." | null, "status": "answered", "em": 1.0, "f1": 1.0, "lenient_em": 1.0,
      "lenient_f1": 1.0, "answered": true, "steps": 3, "seconds": 12.5, "error": "", "wall_s": 40.2,
      "grade": "correct", "judge": "<judge model>", "judge_error": ""}     (the last three when judged)
-
-A record is written when its sample is generated and again, with its grade, once judged (the later line
-counts): a judge that fails loses no generation, and the next run judges what has no grade.
 
 Scoring (see `summarize`, also per source for a mixed file, as the papers print it): EM and F1 are the
 official SQuAD / HotpotQA ones (`official_normalize`), best over the gold aliases, so tables compare with
@@ -473,12 +471,10 @@ def _line(cells) -> str:
 
 
 def paper_table(summaries: list[dict]) -> str:
-    """Several runs as the papers lay them out: one row per (model, mode), one column per benchmark in
-    PAPER_ORDER (those present; a mixed run counts per source, named by `benchmark_key`), EM in percent in
-    one table and F1 in a second; a judged SimpleQA cell holds the judge's accuracy, and in the F1 table
-    SimpleQA's own F-score. "Avg." (with several benchmarks) is the mean over the row's EM (F1) cells only:
-    judge scores are not averaged with EM. A later summary of the same model, mode and bench replaces an
-    earlier.
+    """Several runs as the papers lay them out: a row per (model, mode), a column per benchmark of
+    PAPER_ORDER present (a mixed run per source), EM in percent, then F1 in a table of its own; a judged
+    SimpleQA shows the judge's accuracy and F-score, which "Avg." (of EM, or F1) leaves out. A later
+    summary of the same model, mode and bench replaces an earlier.
 
     >>> s = lambda b, em: {"model": "m", "mode": "agent", "bench": b, "metrics": {"em": em, "f1": em + 0.1}}
     >>> print(paper_table([s("bamboogle", 0.2), s("hotpotqa", 0.4)]))

@@ -64,10 +64,9 @@ class RunDir:
 
 
 def write_jsonl(f, record: dict) -> None:
-    """One JSON object per line, flushed: a kill loses at most the line being written. A record whose
-    text cannot be written as UTF-8 (an agent's lone surrogate, chr(0xD800)) is written \\u-escaped
-    instead: still one JSON line, read back as the same str (but for a high surrogate followed by a low
-    one, read back as the one character they encode). The encoder fails before anything is written."""
+    """One JSON object per line, flushed: a kill loses at most the line being written. Text that is not
+    UTF-8 (an agent's lone surrogate) is written \\u-escaped (the encoder fails before writing): read back
+    as the same str, but for a high surrogate then a low one, read back as the character they encode."""
     try:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
     except UnicodeEncodeError:

@@ -958,7 +958,6 @@ async def test_11_tool_work_and_tool_calls_cannot_hold_the_event_loop(tools):
     env = Env(episode_config(), None, Kernels(await started(1, server)), server, TOK)
     long_queries = ("from l0_toolbox.client import ToolError\nfor q in ['w1 ' * 280_000, 'w' * 2001]:  # 840 KB\n"
                     "    try:\n        web_search(q)\n    except ToolError as e:\n        print(e)")  # fmt: skip
-    t0 = time.monotonic()
     try:
         async with host_health(tools, "11 an 840 KB query, 8 threads searching, 8 threads submitting"):
             ep = await scored(env, "tools", long_queries, THREADS.format(tool="web_search", args="{'query': 'w1 w2 ' * 330}"),
@@ -966,13 +965,13 @@ async def test_11_tool_work_and_tool_calls_cannot_hold_the_event_loop(tools):
     finally:
         await server.close()
         await backend.close()
-    seconds = time.monotonic() - t0
     obs = [s.observation for s in ep.steps]
     assert obs[0].split("\n")[1:3] == ["web_search: the request body is over the limit of 65,536 bytes",
                                        "web_search: the query has 2,001 characters, more than the 2,000 allowed"], obs[0]
-    searches, submits = (int(o.split("<output>\n")[1].split("\n")[0]) for o in obs[1:3])
-    print(f"\nCALLS {searches} searches + {submits} answers from 8 threads each in {seconds:.1f} s (paced at 10 a second)")
-    assert 10 < searches and searches + submits <= server.calls_per_second * seconds + 10, (searches, submits, seconds)
+    calls = [(int(o.split("<output>\n")[1].split("\n")[0]), s.seconds) for o, s in zip(obs[1:3], ep.steps[1:3])]
+    print(f"\nCALLS web_search, submit_final_answer from 8 threads for 4 s: (calls, seconds) {calls}")
+    for n, cell_seconds in calls:  # a burst of calls_per_second, then calls_per_second a second; 8 calls in flight
+        assert 10 < n <= server.calls_per_second * (1 + cell_seconds) + 8, calls
     assert ep.status == ANSWERED and ep.final_answer == "x"
 
 

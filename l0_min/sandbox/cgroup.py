@@ -1,16 +1,14 @@
 """One cgroup per sandbox: a memory (+swap) and task budget for everything the sandbox does.
 
 RLIMIT_AS and RLIMIT_NPROC count per process or per uid; memfds, tmpfs files and kernel objects
-(an inode flood) escape them, a cgroup counts them all. Each sandbox's cgroup is a child of one
-cgroup for all the sandboxes of this process (`shared`), itself a child of this process's own:
-cgroup v2 where memory and pids are enabled for this process's children, else the v1 `memory` and
-`pids` hierarchies where they are writable (root), else none (`detect` says why, the first kernel
-start logs it). The shared cgroup's memory limit is SHARE of what this process may use (the
-machine's memory, or its own cgroup's limit if lower), so 64 sandboxes of 4 GB on a 24 GB machine
-meet that limit, where the OOM killer takes a sandbox, before the machine runs out; every sandbox
-process also has oom_score_adj 1000 (bwrap.command), so a shortage elsewhere takes a sandbox too,
-not the host. The sandbox's launcher shell writes itself into cgroup.procs before it execs bwrap:
-moving bwrap after the spawn would race with its first fork, and children stay where they were born.
+(an inode flood) escape them, a cgroup counts them all. Each sandbox's cgroup is a child of the
+one of all this process's sandboxes (`shared`: SHARE of the memory this process may use, so 64
+sandboxes of 4 GB on a 24 GB machine meet that limit, and the OOM killer takes a sandbox, before
+the machine runs out), a child of this process's own: cgroup v2 where memory and pids are enabled
+for this process's children, else the v1 `memory` and `pids` hierarchies where they are writable
+(root), else none (`detect` says why, the first kernel start logs it). The sandbox's launcher
+shell writes itself into cgroup.procs before it execs bwrap (bwrap.command): moving bwrap after
+the spawn would race with its first fork, and children stay where they were born.
 """
 
 from __future__ import annotations
@@ -36,6 +34,11 @@ def _read(path: str) -> str:
 def _write(path: str, value) -> None:
     with open(path, "w") as f:
         f.write(str(value))
+
+
+def _rmdir(d: str) -> None:
+    with contextlib.suppress(OSError):  # still holds processes (or another cgroup): left for a later sweep
+        os.rmdir(d)
 
 
 @functools.cache
@@ -76,9 +79,7 @@ def shared() -> tuple[int, list[str], int] | str:
     (version, parents), limit = how, int(machine_mb() * SHARE)
     for stale in [p for parent in parents for p in glob.glob(f"{parent}/l0_min-*")]:
         if (m := re.fullmatch(r"l0_min-(\d+)(-k\w+)?", os.path.basename(stale))) and not os.path.exists(f"/proc/{m[1]}"):
-            for d in sorted(glob.glob(f"{stale}/*/"), reverse=True) + [stale]:
-                with contextlib.suppress(OSError):
-                    os.rmdir(d)
+            [_rmdir(d) for d in [*glob.glob(f"{stale}/*/"), stale]]
     dirs = [f"{p}/l0_min-{os.getpid()}" for p in parents]
     try:
         for d in dirs:
@@ -90,23 +91,17 @@ def shared() -> tuple[int, list[str], int] | str:
             _write(f"{dirs[0]}/memory.limit_in_bytes", limit << 20)
     except OSError as e:
         return f"no cgroup for all sandboxes: {e}"
-    atexit.register(_remove, dirs)
+    atexit.register(lambda: [_rmdir(d) for d in dirs])
     return version, dirs, limit
-
-
-def _remove(dirs: list[str]) -> None:
-    for d in dirs:
-        with contextlib.suppress(OSError):  # a sandbox's cgroup still in it: left for the next sweep
-            os.rmdir(d)
 
 
 def _struck(d: str, version: int, limit: int) -> tuple[int, bool, int]:
     """(OOM kills in cgroup `d`, whether memory reached its own limit of `limit` bytes there, its peak
     memory in bytes: 0 where the kernel does not keep it)."""
-    if version == 2:
-        local = f"{d}/memory.events.local"  # this cgroup's own events (Linux 5.2+), not its children's
-        events = dict(line.split() for line in _read(local if os.path.exists(local) else f"{d}/memory.events").splitlines())
-        peak = int(_read(f"{d}/memory.peak")) if os.path.exists(f"{d}/memory.peak") else 0  # Linux 5.19+
+    if version == 2:  # memory.events.local: this cgroup's own events (Linux 5.2+); memory.peak: 5.19+
+        local = ".local" * os.path.exists(f"{d}/memory.events.local")
+        events = dict(line.split() for line in _read(f"{d}/memory.events{local}").splitlines())
+        peak = int(_read(f"{d}/memory.peak")) if os.path.exists(f"{d}/memory.peak") else 0
         return int(events["oom_kill"]), int(events["oom"]) > 0, peak
     control = dict(line.split() for line in _read(f"{d}/memory.oom_control").splitlines())
     peak = int(_read(f"{d}/memory.max_usage_in_bytes"))
@@ -126,16 +121,13 @@ class Cgroup:
         for name, value in limits.items():  # memory before memsw (memory + swap may not be below it)
             for d in self.dirs:
                 if os.path.exists(f"{d}/{name}"):  # memsw / swap.max only where swap is accounted
-                    with open(f"{d}/{name}", "w") as f:
-                        f.write(str(value))
+                    _write(f"{d}/{name}", value)
         self.procs = [f"{d}/cgroup.procs" for d in self.dirs]
 
     def oom(self) -> str:
-        """'limit' if the OOM killer struck at the sandbox's own memory limit; 'all' at the limit of all
-        the sandboxes together, this one having held over half of its own limit (the OOM killer ranks
-        processes by what they map, not by the memfds and tmpfs files a sandbox holds, so a small
-        sandbox may be taken for a big one's doing: that is the host's, like any death below both
-        limits: 'host'); '' if it did not strike."""
+        """'limit' if the OOM killer struck at the sandbox's own limit; 'all' at the limit of all sandboxes,
+        this one having held over half of its own (the OOM killer ranks by mapped memory, not memfds or
+        tmpfs files: a small sandbox may die for a big one); 'host' otherwise; '' if it did not strike."""
         d = self.dirs[0]  # v1: the memory hierarchy
         try:
             kills, at_limit, peak = _struck(d, self.version, self.limit)

@@ -17,16 +17,14 @@ unless the host caused it (`death`). A pidfd watches each kernel process: a deat
 once, with no polling and no thread per kernel. All kernels share one zmq context. Kernels die with
 a killed host (bwrap --die-with-parent); the next process to start one removes their runtime folders.
 
-What a kernel sends is the agent's (its code runs in the kernel's process, which holds the session
-key) and is bounded before it becomes Python objects: a frame over MAX_FRAME ends that connection
-in zmq itself; one task per channel reads everything as it arrives (`_read`: nothing piles up
-unread between cells, and no control socket is kept open), frame by frame, and a message of more
-than MAX_FRAMES frames, more than CELL_BYTES or CELL_MESSAGES per cell, or one that does not parse
-(JSON nested past the recursion limit, a bad signature) kills the kernel, the agent's failure.
-Only the message kinds `_Output` reads, of the request waited for, are parsed past their headers
-(comm messages and binary buffers are dropped); text that is not valid Unicode is repaired. Left:
-zmq hands over a message only once its last frame is in, so a single message of many frames of
-up to MAX_FRAME each is held whole in the host's zmq buffers before it can be counted.
+What a kernel sends is the agent's (its code holds the session key), bounded before it becomes
+Python objects: zmq drops a connection that sends a frame over MAX_FRAME; a task per channel reads
+all that arrives, frame by frame (`_read`: nothing piles up between cells; no control socket stays
+open), and a message over MAX_FRAMES, a cell over CELL_BYTES or CELL_MESSAGES, or a message that
+does not parse (bad signature, JSON nested past the recursion limit) kills the kernel: the agent's
+failure. Only the kinds `_Output` reads, of the request waited for, are parsed past their headers;
+invalid Unicode is repaired. Left: zmq hands over a message once all its frames are in, so one of
+many frames is held whole in the host's zmq buffers before it can be counted.
 """
 
 from __future__ import annotations
@@ -66,9 +64,8 @@ _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 # no history database, plain tracebacks without colour (short, fast, no ANSI), no echo to the process's stdout
 KERNEL_ARGS = ["--HistoryManager.enabled=False", "--InteractiveShell.colors=nocolor", "--InteractiveShell.xmode=Plain",
                "--IPKernelApp.quiet=True"]
-# What the host reads from one kernel at most (see the module docstring). The toolbox keeps a cell's
-# output to max_output_chars (at most 100,000: 6 bytes a character in JSON, 3 text fields, < 2 MiB), so
-# a kernel that keeps to it sends frames of a few KB and a few hundred messages a cell.
+# What the host reads from a kernel: the toolbox keeps a cell to max_output_chars (<= 100,000; 6 bytes a
+# character in JSON, 3 text fields: < 2 MiB), a few KB a frame and a few hundred messages a cell.
 MAX_FRAME = 2 << 20
 MAX_FRAMES = 8  # a topic or identity, the delimiter, the signature, header, parent, metadata, content, one spare
 CELL_BYTES, CELL_MESSAGES = 64 << 20, 20_000  # from one request to the next, so between cells too
@@ -166,18 +163,10 @@ def zmq_context() -> zmq.asyncio.Context:
 def sweep_stale_runtime_dirs() -> list[str]:
     """Remove the runtime folders of host processes that died without shutting their kernels down
     (their kernels died with them: bwrap --die-with-parent). Returns the folders removed."""
-    removed = []
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), "l0_min-*-k*-*")):
-        m = re.match(r"l0_min-(\d+)-k", os.path.basename(path))
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:  # the host process is gone
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except PermissionError:  # alive, another user's
-            pass
+    removed = [p for p in glob.glob(os.path.join(tempfile.gettempdir(), "l0_min-*-k*-*"))
+               if (m := re.match(r"l0_min-(\d+)-k", os.path.basename(p))) and not os.path.exists(f"/proc/{m[1]}")]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
@@ -199,9 +188,6 @@ class _Manager(AsyncKernelManager):
         await self.on_launched()
         await super()._async_post_start_kernel(**kw)
 
-    def _connect_control_socket(self) -> None:
-        """No control socket stays open: nobody would read what the kernel sends there (Kernel._interrupt)."""
-
 
 def check(kcfg: KernelConfig) -> None:
     """Reject bad kernel and pool settings with an error that names the field."""
@@ -212,10 +198,9 @@ def check(kcfg: KernelConfig) -> None:
     ]:  # fmt: skip
         v = getattr(kcfg, name)
         typed = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
-        most = 100_000 if name == "max_output_chars" else float("inf")  # within MAX_FRAME
-        if not typed or v < least or strict and v == least or v > most:
+        if not typed or v < least or strict and v == least or name == "max_output_chars" and v > 100_000:
             want = f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {least}"
-            raise ValueError(f"kernel.{name} must be {want}" + (f" and <= {most:,}" if most < 1e9 else "") + f", got {v!r}")
+            raise ValueError(f"kernel.{name} must be {want}{' and <= 100,000' * (name == 'max_output_chars')}, got {v!r}")
 
 
 class Kernel:
@@ -237,8 +222,7 @@ class Kernel:
         self._sockets: list[int] = []  # O_PATH fds of the kernel's ipc sockets (zmq connects through them)
         self._killed_for = ""  # why the host killed it (a cell that ignored the interrupt)
         self._lock, self._closed = asyncio.Lock(), False
-        self._inbox: dict[str, asyncio.Queue] = {}  # channel -> messages of the request waited for (`_read`)
-        self._readers: list[asyncio.Task] = []
+        self._inbox, self._readers = {}, []  # channel -> messages of the request waited for (`_read`); the readers
         self._want, self._cell = "", [0, 0]  # that request's msg_id; bytes and messages read since it was sent
 
     # ---------------------------------------------------------------- start
@@ -286,6 +270,7 @@ class Kernel:
         km = self._km = _Manager(context=zmq_context(), transport="ipc", ip=ip, connection_file=conn, autorestart=False)
         km.spec, km.on_launched = spec, lambda: self._launched(ip)
         await km.start_kernel(env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        km._close_control_socket()  # nobody would read it: an interrupt opens one, then closes it (`_run`)
         self._kc = km.client(context=zmq_context())  # not a context (and io thread) of its own
         self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
         await self._until_exit(self._kc.wait_for_ready(timeout=self.kcfg.start_timeout))
@@ -403,7 +388,7 @@ class Kernel:
         raise asyncio.TimeoutError
 
     async def _read(self, name: str) -> None:
-        """Read the kernel's `name` channel (shell, iopub) for as long as it lives; see the module docstring."""
+        """Read channel `name` (shell, iopub) as long as the kernel lives; see the module docstring."""
         sock = getattr(self._kc, f"{name}_channel").socket
         raw, queue = zmq.Socket.shadow(sock.underlying), self._inbox[name]
         try:
@@ -423,8 +408,7 @@ class Kernel:
             await self._kill_for(f"it broke its connection to the host: {str(e)[:300] or type(e).__name__}")
 
     def _receive(self, first: zmq.Frame, raw: zmq.Socket, wanted: set[str]) -> tuple[dict | None, int]:
-        """One message (None if it is not one of the request waited for) and its size, counted against
-        the cell's budget."""
+        """One message (None unless the request waited for wants it) and its size, counted for the cell."""
         frames = [first]
         while frames[-1].more:  # zmq delivers a message whole: its other frames are there
             if len(frames) == MAX_FRAMES:
@@ -465,16 +449,6 @@ class Kernel:
         self._expect(msg_id)
         return (await self._answer("shell", msg_id, time.monotonic() + timeout))["content"]
 
-    def _interrupt(self) -> None:
-        """An interrupt_request on a control connection of its own, closed at once (zmq still delivers it)."""
-        km = self._km
-        sock = zmq.Context.shadow(zmq_context().underlying).socket(zmq.DEALER)
-        try:
-            sock.connect(km._make_url("control"))
-            km.session.send(sock, km.session.msg("interrupt_request", content={}))
-        finally:
-            sock.close(linger=1000)
-
     async def execute(self, code: str, timeout: float | None = None) -> ExecResult:
         """Run one cell. Errors, a timeout and a dead kernel are reported in the result."""
         if not isinstance(code, str):
@@ -500,7 +474,8 @@ class Kernel:
         self._expect(msg_id)
         if not await self._collect(msg_id, out, deadline):
             out.r.timed_out = True
-            self._interrupt()
+            await self._km.interrupt_kernel()
+            self._km._close_control_socket()  # zmq still delivers the request (linger)
             if not await self._collect(msg_id, out, time.monotonic() + self.kcfg.interrupt_grace):
                 await self._kill_for(f"its cell ignored an interrupt for {self.kcfg.interrupt_grace:g} s")
 

@@ -59,7 +59,7 @@ class ToolServer:
         self.snippet_chars, self.page_chars, self.top_k = snippet_chars, page_chars, top_k
         self.root: str | None = None  # the sockets' folder (0700: only this user reaches them)
         self._runner: web.AppRunner | None = None
-        self._sites: dict[str, tuple[str, socket.socket, set]] = {}  # open: key -> (path, listener, connections)
+        self._sites: dict[str, tuple] = {}  # open: key -> (path, listener, connections, [calls due, when counted])
         self._by_path: dict[str, str] = {}  # socket path -> key
         self._answers: dict[str, str] = {}
         self._calls: dict[str, Counter] = {}
@@ -67,7 +67,6 @@ class ToolServer:
         self._closed_keys: OrderedDict[str, None] = OrderedDict()  # closed episodes, oldest first
         self._pending: set[asyncio.Task] = set()
         self._warned = 0.0  # when accept() last failed for want of descriptors
-        self._tokens: dict[str, list[float]] = {}  # episode -> [calls it may make now, when that was counted]
 
     async def start(self) -> None:
         self.root = tempfile.mkdtemp(prefix="l0_min-tools-")
@@ -79,7 +78,6 @@ class ToolServer:
     async def close(self) -> None:
         for key in list(self._sites):
             self.close_episode(key)
-        self._tokens.clear()
         await asyncio.gather(*self._pending, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
@@ -100,17 +98,16 @@ class ToolServer:
         os.chmod(path, 0o666)  # the sandbox may run as another uid; the folder keeps others out
         sock.listen(self.max_connections)  # connections queue from now on
         sock.setblocking(False)
-        self._sites[key], self._by_path[path] = (path, sock, set()), key
+        self._sites[key], self._by_path[path] = (path, sock, set(), [self.calls_per_second, time.monotonic()]), key
         self._calls[key] = Counter()
-        self._tokens[key] = [float(self.calls_per_second), time.monotonic()]
         asyncio.get_running_loop().add_reader(sock, self._accept, key)
         return path
 
     def _accept(self, key: str) -> None:
         """Accept what the episode's connection cap and call rate allow, then pause (bounded work per turn)."""
-        path, sock, open_ = self._sites[key]
+        path, sock, open_, bucket = self._sites[key]
         open_ -= {c for c in open_ if c.fileno() < 0}  # closed by aiohttp
-        loop, bucket, now = asyncio.get_running_loop(), self._tokens[key], time.monotonic()
+        loop, now = asyncio.get_running_loop(), time.monotonic()
         bucket[:] = min(self.calls_per_second, bucket[0] + (now - bucket[1]) * self.calls_per_second), now
         pause = 0.02
         while len(open_) < self.max_connections:
@@ -148,9 +145,8 @@ class ToolServer:
         """Stop listening for this episode; its answer and counts stay readable for a while."""
         if (entry := self._sites.pop(key, None)) is None:
             return
-        path, sock, _ = entry
+        path, sock, *_ = entry
         self._by_path.pop(path, None)
-        self._tokens.pop(key, None)
         asyncio.get_running_loop().remove_reader(sock)
         sock.close()
         with contextlib.suppress(FileNotFoundError):
@@ -213,8 +209,7 @@ class ToolServer:
         return _reply(False, message, status)
 
     def _text(self, args: dict, name: str, blank_ok: bool = False) -> str:
-        """A text argument of at most max_arg_chars (not blank unless `blank_ok`), else a ValueError for the
-        agent (the toolbox puts the tool's name before it)."""
+        """A text argument of at most max_arg_chars (not blank unless `blank_ok`), else a ValueError for the agent."""
         v = args.get(name)
         if not isinstance(v, str) or not (blank_ok or v.strip()):
             raise ValueError(f"{name} must be a {'' if blank_ok else 'non-empty '}string, got {v!r:.60}")
