@@ -413,11 +413,13 @@ def main(argv=None) -> dict | None:
             bar = tqdm(total=len(todo) + len(unjudged), desc=f"{bench} {args.mode}", unit="sample", file=sys.stderr,
                        dynamic_ncols=True)
             trajectories = open_jsonl(traj_path) if todo and args.mode == "agent" else None
-            new: list[dict] = []
+            new, generated = [], []  # finished samples; generations (saved before their verdicts: no "grade")
 
             def save(rec, ep=None, done=True):
                 if ep is not None:
                     write_jsonl(trajectories, ep.to_json())
+                if "grade" not in rec:
+                    generated.append(rec["id"])
                 results.append(rec | {"wall_s": round(wall_before + time.monotonic() - t_start, 3)})  # summed over resumes
                 if done:
                     new.append(rec)
@@ -433,11 +435,11 @@ def main(argv=None) -> dict | None:
                       "rerun the same command to finish the rest", file=sys.stderr)
                 raise SystemExit(130)
             except Exception as e:
-                saved = f"{len(new)} new samples are saved in {results.path}; rerun the same command to resume"
+                saved = f"{len(generated)} new samples are saved in {results.path}; rerun the same command to resume"
                 if not isinstance(e, (ValueError, OSError, RuntimeError)):  # not a configuration, data or server error
                     print(f"\n{saved}", file=sys.stderr)
                     raise
-                raise EvalError((str(e) or type(e).__name__) + (f" ({saved})" if new else "")) from e
+                raise EvalError((str(e) or type(e).__name__) + (f" ({saved})" if generated else "")) from e
             finally:
                 signal.signal(signal.SIGTERM, old_sigterm)
                 bar.close()
