@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_GOT := .venv/.apt-updated
 
-.PHONY: setup test demo bench gpu-deps gpu-smoke clean
+.PHONY: setup test test-fast demo bench gpu-deps gpu-smoke clean
 
 $(STAMP): requirements.txt
 	@command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; }
@@ -21,6 +21,11 @@ setup: $(STAMP)
 test: setup
 	@command -v chromium >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq chromium; }
 	$(PY) -m pytest -q
+
+# The tier for working: every unit test and doctest, none marked slow (pytest.ini: training runs in subprocesses,
+# servers, browsers, the attacks on the host). make test is the full suite CI runs.
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow" --durations=5
 
 demo: setup
 	$(PY) train.py --config configs/cpu_demo.yaml

@@ -23,10 +23,12 @@ reward's Unicode-aware match (curly quotes, full-width letters). A mixed file ge
 and the mean over sources, as the papers print them.
 
 Judge (SimpleQA's metric): --judge-url is an OpenAI-compatible base URL ending in /v1 (POST
-/chat/completions: hosted APIs, or SGLang's http://host:30000/v1; --judge-model names the model, the key
-comes from the environment variable --judge-api-key-env names), an SGLang server (/generate, chat-templated
-with --judge-model's tokenizer), or 'self' (the evaluated model's server). Verdicts are kept in
-results.jsonl: a resume, or a rerun that adds the judge, grades only what that judge model has not.
+/chat/completions, also accepted written out: hosted APIs, or SGLang's http://host:30000/v1; --judge-model
+names the model, the key comes from the environment variable --judge-api-key-env names), an SGLang server
+(/generate, chat-templated with --judge-model's tokenizer), or 'self' (the evaluated model's server). Its
+settings are checked before anything loads. Each sample is saved when generated, then again with its
+verdict: a resume, or a rerun that adds the judge, grades only what that judge model has not. A reply
+that names no grade is counted apart ("unparsed"), and the summary says how many.
 
 Search (agent mode): sets that carry their paragraphs (HotpotQA, MuSiQue, 2Wiki with context) are
 closed-corpus: BM25 over the union of the paragraphs of every question in the loaded file (also with
@@ -143,10 +145,50 @@ def eval_config(args) -> config_mod.Config:
     return cfg
 
 
+def tokenizer_folder(model: str) -> Path:
+    """The folder of a model (or a built-in name), which must hold a tokenizer; else an EvalError of one line."""
+    path = resolve_model(model)
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")):
+        raise EvalError(f"{path} holds no tokenizer (tokenizer.json, tokenizer_config.json ...): copy the tokenizer "
+                        "files of the model it was trained from into that folder")  # fmt: skip
+    return path
+
+
 def load_tokenizer(model: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_model(model))
+    path = tokenizer_folder(model)
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise EvalError(f"{path}: its tokenizer does not load: {type(e).__name__}: {first_line(str(e))}") from None
+
+
+def check_out(out: Path) -> None:
+    """--out must be a folder, or a path where one can be made."""
+    for p in (out, *out.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise EvalError(f"--out {out} is a file: name a folder" if p == out else
+                                f"--out {out}: {p} is a file, so no folder can be made under it")  # fmt: skip
+            return
+
+
+def judge_settings(args, cfg) -> tuple[str, str]:
+    """(the judge's URL, its model), checked before any model loads; an OpenAI-style URL may be written out
+    to /chat/completions."""
+    url, judge = args.judge_url.rstrip("/").removesuffix("/chat/completions"), args.judge_model or cfg.model.path
+    if url.endswith("/v1"):
+        if not args.judge_model:
+            raise EvalError(f"--judge-url {url} (an OpenAI-compatible endpoint) needs --judge-model, the model name it serves")
+        if args.judge_api_key_env and not os.environ.get(args.judge_api_key_env):
+            raise EvalError(f"--judge-api-key-env {args.judge_api_key_env}: that environment variable is unset or empty")
+    elif not url.startswith(("http://", "https://")) and url != "self":
+        raise EvalError(f"--judge-url {args.judge_url}: expected an http(s) URL (ending in /v1 for an OpenAI-compatible "
+                        "endpoint) or 'self'")  # fmt: skip
+    elif url != "self":
+        tokenizer_folder(judge)  # an SGLang judge is prompted with its chat template
+    return url, judge
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,13 +220,9 @@ async def chat_completion(session: aiohttp.ClientSession, url: str, model: str, 
 
 @contextlib.asynccontextmanager
 async def judge_env(args, cfg, policy):
-    url, judge = args.judge_url.rstrip("/"), args.judge_model or cfg.model.path
+    url, judge = judge_settings(args, cfg)
     if url.endswith("/v1"):
         key = os.environ.get(args.judge_api_key_env or "", "")
-        if not args.judge_model:
-            raise EvalError(f"--judge-url {url} (an OpenAI-compatible endpoint) needs --judge-model, the model name it serves")
-        if args.judge_api_key_env and not key:
-            raise EvalError(f"--judge-api-key-env {args.judge_api_key_env}: that environment variable is unset or empty")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=300)) as session:
             yield lambda rec: judge_record(rec, functools.partial(chat_completion, session, url, judge), judge)
@@ -243,8 +281,9 @@ def direct_jobs(cfg, client, tokenizer, todo, finish) -> list:
 
 
 async def run(args, cfg, all_tasks, todo, unjudged, save, out: Path) -> None:
-    """Generate the missing samples and judge the records this judge has not graded; save(record, episode)
-    each one as it is done. The first error (a server down, a bad configuration) cancels the rest."""
+    """Generate the missing samples and judge the records this judge has not graded; save(record, episode,
+    done) each generation as it ends (the episode with it), then its judged record (done: the sample is
+    finished). The first error (a server down, a bad configuration) cancels the rest."""
     from l0_min.envs import load_env
     from l0_min.runtime import policy_client, rollout_env
 
@@ -262,13 +301,14 @@ async def run(args, cfg, all_tasks, todo, unjudged, save, out: Path) -> None:
         grade = await stack.enter_async_context(judge_env(args, cfg, policy)) if args.judge_url else None
         judging = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
-        async def finish(rec, ep=None):
+        async def finish(rec, ep=None, generated=True):
+            if generated:  # saved before it is judged: a judge that fails loses no generation
+                save(rec, ep, grade is None)
             if grade is not None:
                 async with judging:
-                    rec = rec | await grade(rec)
-            save(rec, ep)
+                    save(rec | await grade(rec), None, True)
 
-        jobs = [finish(r) for r in unjudged]
+        jobs = [finish(r, generated=False) for r in unjudged]
         if todo:
             jobs += agent_jobs(env, todo, finish) if env else direct_jobs(cfg, policy, tokenizer, todo, finish)
         try:
@@ -292,6 +332,25 @@ def print_table(paths: list[str]) -> None:
     print(markdown_table(summaries))
 
 
+def report_notes(metrics: dict, search: str, cfg, mode: str) -> list[str]:
+    """What the summary must say besides the numbers: how the samples ended, what the agent searched, how
+    many judge replies named no grade."""
+    why = {"timeout": f"the wall-time budget (agent.max_wall_seconds = {cfg.agent.max_wall_seconds:g} s) ran out",
+           "max_steps": f"the {cfg.agent.max_steps} steps (agent.max_steps) ran out", "max_tokens": "the context was full",
+           "kernel_crashed": "the agent's code killed its kernel", "no_answer": "no answer was generated",
+           "env_error": "the sandbox or a tool backend failed after retries (rerun to retry them)",
+           "inference_error": "the inference server failed the request"}  # fmt: skip
+    status = metrics["status"]
+    notes = ["samples by status: " + ", ".join(f"{s} {n}" for s, n in status.items())
+             + "".join(f"; {s}: {why[s]}" for s in status if s in why) + " (these score 0)" * (set(status) != {"answered"})]
+    if mode == "agent":
+        notes.append(f"search: {search}")
+    if unparsed := (metrics.get("judge") or {}).get("unparsed_samples"):
+        notes.append(f"the judge's reply named no grade for {unparsed} sample(s): counted as 'unparsed', neither correct "
+                     "nor not attempted (each reply is quoted in judge_error in results.jsonl)")
+    return notes
+
+
 def main(argv=None) -> dict | None:
     t_start = time.monotonic()
     args = parse_args(argv)
@@ -299,6 +358,10 @@ def main(argv=None) -> dict | None:
         print_table(args.table)
         return None
     cfg = eval_config(args)
+    if args.out:
+        check_out(Path(args.out))
+    if args.judge_url:
+        judge_settings(args, cfg)  # before the data, the model or the servers load
 
     # 1. the questions: the whole file is loaded (its paragraphs make the closed corpus), --limit picks the first N
     bench = benchmark_name(args.bench, known=not args.data)
@@ -353,15 +416,18 @@ def main(argv=None) -> dict | None:
             bar = tqdm(total=len(todo) + len(unjudged), desc=f"{bench} {args.mode}", unit="sample", file=sys.stderr,
                        dynamic_ncols=True)
             trajectories = open_jsonl(traj_path) if todo and args.mode == "agent" else None
-            new: list[dict] = []
+            new, generated = [], []  # finished samples; generations (saved before their verdicts: no "grade")
 
-            def save(rec, ep=None):
+            def save(rec, ep=None, done=True):
                 if ep is not None:
                     write_jsonl(trajectories, ep.to_json())
+                if "grade" not in rec:
+                    generated.append(rec["id"])
                 results.append(rec | {"wall_s": round(wall_before + time.monotonic() - t_start, 3)})  # summed over resumes
-                new.append(rec)
-                bar.set_postfix(EM=f"{sum(r['em'] for r in new) / len(new):.3f}", refresh=False)
-                bar.update(1)
+                if done:
+                    new.append(rec)
+                    bar.set_postfix(EM=f"{sum(r['em'] for r in new) / len(new):.3f}", refresh=False)
+                    bar.update(1)
 
             old_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a polite kill stops like Ctrl-C
             try:
@@ -372,11 +438,11 @@ def main(argv=None) -> dict | None:
                       "rerun the same command to finish the rest", file=sys.stderr)
                 raise SystemExit(130)
             except Exception as e:
-                saved = f"{len(new)} new samples are saved in {results.path}; rerun the same command to resume"
+                saved = f"{len(generated)} new samples are saved in {results.path}; rerun the same command to resume"
                 if not isinstance(e, (ValueError, OSError, RuntimeError)):  # not a configuration, data or server error
                     print(f"\n{saved}", file=sys.stderr)
                     raise
-                raise EvalError((str(e) or type(e).__name__) + (f" ({saved})" if new else "")) from e
+                raise EvalError((str(e) or type(e).__name__) + (f" ({saved})" if generated else "")) from e
             finally:
                 signal.signal(signal.SIGTERM, old_sigterm)
                 bar.close()
@@ -387,14 +453,16 @@ def main(argv=None) -> dict | None:
 
     # 5. the summary, from the file: the same numbers whether or not the run was interrupted
     metrics = summarize(records, k, judged=bool(judge))
+    notes += report_notes(metrics, search, cfg, args.mode)
     summary = {"model": label(cfg.model.path), "mode": args.mode, "bench": bench, "data": info["data"],
                "metrics": metrics, "search": search, "judge_model": judge, "wall_s": wall,
                "resumed_samples": len(keys) - len(todo), "notes": notes}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    write = functools.partial(Path.write_text, encoding="utf-8", errors="backslashreplace")  # any str: JSON \\u escapes
+    write(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
     per_source = [summary | {"bench": f"{bench}: {src}", "metrics": m, "wall_s": None}
                   for src, m in metrics.get("sources", {}).items()]
     table = markdown_table([summary] + per_source) + (f"\n\nper source:\n\n{paper_table([summary])}" if per_source else "")
-    (out / "summary.md").write_text(table + "\n" + "".join(f"\n- {n}" for n in notes) + "\n")
+    write(out / "summary.md", table + "\n" + "".join(f"\n- {n}" for n in notes) + "\n")
     if args.mode == "agent" and traj_path.exists():
         try:
             from l0_min.viewer import write_viewer

@@ -26,6 +26,7 @@ no room for an action, `rebuild` returns False and the episode ends with MAX_TOK
 
 from __future__ import annotations
 
+import re
 import weakref
 from dataclasses import dataclass
 
@@ -33,6 +34,12 @@ from l0_min.config import AgentConfig
 
 CHATML_BEFORE = "<|im_end|>\n<|im_start|>user\n"
 CHATML_AFTER = "<|im_end|>\n<|im_start|>assistant\n"
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with its lone surrogates (no tokenizer or UTF-8 file takes them; a sandbox sends any str) as U+FFFD."""
+    return _SURROGATE.sub("\ufffd", text)
 
 
 class ChatFormat:
@@ -86,6 +93,7 @@ class ChatFormat:
         return before, after
 
     def encode(self, text: str) -> list[int]:
+        text = valid_text(text)
         if self._backend is not None:
             return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -100,7 +108,7 @@ class ChatFormat:
 
     def prompt_ids(self, system: str, user: str, examples: tuple = ()) -> list[int]:
         """System turn, then `examples` (earlier chat messages, e.g. a worked example), then the user turn."""
-        msgs = [{"role": "system", "content": system}, *examples, {"role": "user", "content": user}]
+        msgs = [{"role": "system", "content": valid_text(system)}, *examples, {"role": "user", "content": valid_text(user)}]
         ids = self.tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding from some versions
             ids = ids["input_ids"]

@@ -86,11 +86,12 @@ def _not_utf8(text: str) -> _RowError | None:
     """The error for a row read from bytes that are not UTF-8, else None.
 
     >>> _not_utf8("caf\\udce9")
-    _RowError('not UTF-8 text (byte 0xe9): fix the encoding of the file (e.g. iconv -f latin1 -t utf-8)')
+    _RowError('not UTF-8 text (byte 0xe9): fix the encoding of the file (e.g. iconv -f cp1252 -t utf-8 IN > OUT, which reads latin1 text too; for a .gz file: gunzip -c IN | iconv -f cp1252 -t utf-8 | gzip > OUT)')
     """
     m = _SURROGATE.search(text)
     return m and _RowError(f"not UTF-8 text (byte 0x{ord(m.group()) - 0xDC00:02x}): fix the encoding of the file "
-                           "(e.g. iconv -f latin1 -t utf-8)")
+                           "(e.g. iconv -f cp1252 -t utf-8 IN > OUT, which reads latin1 text too; for a .gz file: "
+                           "gunzip -c IN | iconv -f cp1252 -t utf-8 | gzip > OUT)")
 
 
 def read_records(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
@@ -110,8 +111,8 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
         yield from enumerate(pq.read_table(str(path)).to_pylist(), 1)
         return
     # bytes that are not UTF-8 become U+DC80..U+DCFF: `_not_utf8` names their row
-    with (gzip.open(path, "rt", encoding="utf-8", errors="surrogateescape") if path.suffix == ".gz"
-          else open(path, encoding="utf-8", errors="surrogateescape", newline="")) as f:
+    with (gzip.open(path, "rt", encoding="utf-8-sig", errors="surrogateescape") if path.suffix == ".gz"
+          else open(path, encoding="utf-8-sig", errors="surrogateescape", newline="")) as f:  # -sig: a BOM is no text
         if kind == "csv":
             reader = csv.DictReader(f)
             if not reader.fieldnames:

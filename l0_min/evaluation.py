@@ -6,7 +6,8 @@ An evaluation folder (default `runs/eval/<bench>-<model>-<mode>`) holds:
     run.json            what is evaluated (bench, data file, mode, model, sampling, agent budgets);
                         a rerun into the same folder must match it, and then resumes
     results.jsonl       one record per finished (question, sample), appended and flushed as each one
-                        finishes, so a killed run loses only the samples that were in flight
+                        finishes (and again once judged), so a killed run or a failed judge loses
+                        only the samples in flight
     trajectories.jsonl  agent mode: the whole Episode behind each record (viewer.html shows them)
     summary.json, summary.md, config.yaml, server.log
 
@@ -20,7 +21,8 @@ A record (one line of results.jsonl):
 Scoring (see `summarize`, also per source for a mixed file, as the papers print it): EM and F1 are the
 official SQuAD / HotpotQA ones (`official_normalize`), best over the gold aliases, so tables compare with
 published numbers; lenient_em / lenient_f1 are the training reward's Unicode-aware scores. The judge
-(SimpleQA style) grades each sample correct / incorrect / not attempted, kept in the record for resumes.
+(SimpleQA style) grades each sample correct / incorrect / not attempted, or "unparsed" when its reply
+named no grade (counted apart, and said), kept in the record for resumes.
 """
 
 from __future__ import annotations
@@ -39,9 +41,21 @@ from l0_min.episode import ENV_ERROR, Episode, Task
 from l0_min.log import open_jsonl, read_jsonl, write_jsonl
 from l0_min.rewards import exact_match, f1_score, has_answer, token_f1
 
-# Benchmarks in the column order of the papers' tables (L0's four, then Search-R1's), with their headers.
-PAPER_ORDER = [("simpleqa", "SimpleQA"), ("hotpotqa", "HotpotQA"), ("musique", "MuSiQue"), ("bamboogle", "Bamboogle"),
-               ("2wikimultihopqa", "2Wiki"), ("nq", "NQ"), ("triviaqa", "TriviaQA"), ("popqa", "PopQA")]
+# The papers' columns: L0's judged SimpleQA, then Search-R1's seven in the order its tables print them; each
+# with its header and the other names a row's data_source gives it (FlashRAG and Search-R1 files differ).
+PAPER_ORDER = [("simpleqa", "SimpleQA", "simple_qa"), ("nq", "NQ", "nq_open nq-open"), ("triviaqa", "TriviaQA", "tq trivia_qa"),
+               ("popqa", "PopQA", "pop_qa"), ("hotpotqa", "HotpotQA", "hotpot hotpot_qa"),
+               ("2wikimultihopqa", "2Wiki", "2wiki 2wikimqa"), ("musique", "MuSiQue", ""), ("bamboogle", "Bamboogle", "")]
+_BENCHMARK = {alias: key for key, _, aliases in PAPER_ORDER for alias in (key, *aliases.split())}
+
+
+def benchmark_key(source: str) -> str:
+    """The benchmark a data_source names ("tq" -> "triviaqa"); an unknown one, lower-cased.
+
+    >>> benchmark_key("2wiki"), benchmark_key("TQ"), benchmark_key("my_set")
+    ('2wikimultihopqa', 'triviaqa', 'my_set')
+    """
+    return _BENCHMARK.get(source.strip().lower(), source.strip().lower())
 
 
 class EvalError(ValueError):
@@ -116,8 +130,8 @@ def first_line(text: str) -> str:
 
 # ---------------- the LLM judge, SimpleQA style: A = correct, B = incorrect, C = not attempted
 
-CORRECT, INCORRECT, NOT_ATTEMPTED = "correct", "incorrect", "not_attempted"
-GRADES = (CORRECT, INCORRECT, NOT_ATTEMPTED)
+CORRECT, INCORRECT, NOT_ATTEMPTED, UNPARSED = "correct", "incorrect", "not_attempted", "unparsed"
+GRADES = (CORRECT, INCORRECT, NOT_ATTEMPTED, UNPARSED)
 _LETTER = dict(zip("ABC", GRADES))
 
 JUDGE_PROMPT = """You are grading an answer to a factual question. Compare the predicted answer with the gold \
@@ -181,11 +195,12 @@ def parse_grade(reply: str) -> str:
 
 
 async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]], judge: str, retries: int = 1) -> dict:
-    """Grade a record's prediction with an LLM: {"grade": correct | incorrect | not_attempted, "judge":
-    `judge` (the judge model's name, kept so that another judge grades again), "judge_error": ""}.
+    """Grade a record's prediction with an LLM: {"grade": correct | incorrect | not_attempted | unparsed,
+    "judge": `judge` (the judge model's name, kept so that another judge grades again), "judge_error": ""}.
     `generate_text(prompt) -> reply` is any async text generator (a chat endpoint, the inference client).
     An unanswered prediction is not attempted without a call. A reply that names no grade is asked again
-    up to `retries` times, then counts as not attempted (as in simple-evals), quoted in judge_error."""
+    up to `retries` times, then is "unparsed" (simple-evals would count it not attempted; here it is
+    counted apart and the summary says how many), quoted in judge_error."""
     fields = {"grade": NOT_ATTEMPTED, "judge": judge, "judge_error": ""}
     if has_answer(rec["prediction"]):
         prompt = judge_prompt(rec["question"], rec["answers"], rec["prediction"])
@@ -193,7 +208,7 @@ async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]]
             try:
                 return fields | {"grade": parse_grade(await generate_text(prompt)), "judge_error": ""}
             except JudgeParseError as e:
-                fields["judge_error"] = str(e)
+                fields |= {"grade": UNPARSED, "judge_error": str(e)}
     return fields
 
 
@@ -335,9 +350,10 @@ def summarize(records: list[dict], k: int | None = None, judged: bool = False) -
     Each question weighs the same: a metric is averaged over a question's samples, then over
     questions. `em_ci` is the 95% Wilson interval of EM over the questions (exact for one sample per
     question). pass@k uses the question's n samples (k = min(k, n); k defaults to the most samples
-    any question has). `judged`: add the SimpleQA judge rates (every record must then carry a grade).
-    `steps` is None when a record has none (direct mode). Records of several sources (`source`)
-    are also summarised per source, under "sources", with their mean under "source_avg".
+    any question has). `judged`: add the SimpleQA judge rates (every record must then carry a grade;
+    "unparsed" ones count in no rate but their own). `steps` is None when a record has none (direct
+    mode). Records of several sources (`source`, by `benchmark_key`) are also summarised per source,
+    under "sources", with their mean under "source_avg".
 
     >>> rec = lambda i, s, em, ans=True: {"id": i, "sample": s, "em": em, "f1": em, "lenient_em": em,
     ...                                   "lenient_f1": em, "answered": ans, "status": "answered", "steps": 2}
@@ -371,14 +387,16 @@ def summarize(records: list[dict], k: int | None = None, judged: bool = False) -
     if judged:
         if missing := [r["id"] for r in records if r.get("grade") not in GRADES]:
             raise ValueError(f"summarize(judged=True): {len(missing)} records have no grade, e.g. {missing[0]!r}")
-        c, w, na = (qmean(lambda r, g=g: float(r["grade"] == g)) for g in GRADES)
+        c, w, na, unparsed = (qmean(lambda r, g=g: float(r["grade"] == g)) for g in GRADES)
         aga = c / (c + w) if c + w > 0 else 0.0  # accuracy given attempted; F: its harmonic mean with accuracy
         m["judge"] = {"accuracy": c, "incorrect": w, "not_attempted": na, "accuracy_given_attempted": aga,
                       "f_score": 2 * aga * c / (aga + c) if aga + c > 0 else 0.0,
-                      "pass_at_k": rate_pass_at_k(lambda r: r["grade"] == CORRECT)}
-    sources = sorted({r.get("source", "") for r in records})
+                      "pass_at_k": rate_pass_at_k(lambda r: r["grade"] == CORRECT), "unparsed": unparsed,
+                      "unparsed_samples": sum(r["grade"] == UNPARSED for r in records)}
+    sources = sorted({benchmark_key(r.get("source", "")) for r in records})
     if len(sources) > 1:
-        m["sources"] = {s: summarize([r for r in records if r.get("source", "") == s], k, judged) for s in sources}
+        m["sources"] = {s: summarize([r for r in records if benchmark_key(r.get("source", "")) == s], k, judged)
+                        for s in sources}  # fmt: skip
         m["source_avg"] = {key: sum(sm[key] for sm in m["sources"].values()) / len(sources) for key in ("em", "f1")}
     return m
 
@@ -400,6 +418,8 @@ def format_summary(m: dict) -> str:
         parts.append(f"pass@{m['k']} {_pct(m['pass_at_k'])}")
     if m.get("judge"):
         parts.append(f"judge accuracy {_pct(m['judge']['accuracy'])}")
+        if m["judge"].get("unparsed_samples"):
+            parts.append(f"{m['judge']['unparsed_samples']} judge replies unparsed")
     return " | ".join(parts + [f"{m['questions']} questions x {m['k']} samples"])
 
 
@@ -413,7 +433,8 @@ COLUMNS = [
     ("EM", "em", _pct), ("95% CI", "em_ci", lambda v: f"{_pct(v[0])}-{_pct(v[1])}"), ("F1", "f1", _pct),
     ("lenient EM", "lenient_em", _pct), ("judge acc", "judge.accuracy", _pct),
     ("acc|attempted", "judge.accuracy_given_attempted", _pct), ("judge F", "judge.f_score", _pct),
-    ("not attempted", "judge.not_attempted", _pct), ("pass@k", "pass_at_k", _pct), ("answered", "answered", _pct),
+    ("not attempted", "judge.not_attempted", _pct), ("unparsed", "judge.unparsed", _pct), ("pass@k", "pass_at_k", _pct),
+    ("answered", "answered", _pct),
     ("steps", "steps", lambda v: f"{v:.2f}"), ("wall", "wall_s", lambda v: f"{v:.0f} s" if v >= 10 else f"{v:.1f} s"),
 ]
 
@@ -450,33 +471,41 @@ def _line(cells) -> str:
 
 
 def paper_table(summaries: list[dict]) -> str:
-    """Several runs as the papers' tables lay them out: one row per (model, mode), one column per
-    benchmark in PAPER_ORDER (only those present; a mixed run counts per source), each cell the
-    headline (judge accuracy if judged, else EM) and F1 in percent, and with several benchmarks their
-    mean ("Avg.", over the row's benchmarks). A later summary of the same model, mode and bench
-    replaces an earlier.
+    """Several runs as the papers lay them out: a row per (model, mode), a column per benchmark of
+    PAPER_ORDER present (a mixed run per source), EM in percent, then F1 in a table of its own; a judged
+    SimpleQA shows the judge's accuracy and F-score, which "Avg." (of EM, or F1) leaves out. A later
+    summary of the same model, mode and bench replaces an earlier.
 
-    >>> s = lambda b, em: {"model": "m", "mode": "agent", "bench": b, "metrics": {"em": em, "f1": em}}
+    >>> s = lambda b, em: {"model": "m", "mode": "agent", "bench": b, "metrics": {"em": em, "f1": em + 0.1}}
     >>> print(paper_table([s("bamboogle", 0.2), s("hotpotqa", 0.4)]))
-    | model | mode | HotpotQA EM / F1 | Bamboogle EM / F1 | Avg. / F1 |
+    EM
+    | model | mode | HotpotQA | Bamboogle | Avg. |
     | --- | --- | ---: | ---: | ---: |
-    | m | agent | 40.0 / 40.0 | 20.0 / 20.0 | 30.0 / 30.0 |
+    | m | agent | 40.0 | 20.0 | 30.0 |
+    <BLANKLINE>
+    F1
+    | model | mode | HotpotQA | Bamboogle | Avg. |
+    | --- | --- | ---: | ---: | ---: |
+    | m | agent | 50.0 | 30.0 | 40.0 |
     """
     cells: dict[tuple[str, str], dict[str, dict]] = {}
     for s in summaries:
         for bench, m in (s["metrics"].get("sources") or {s["bench"]: s["metrics"]}).items():
-            cells.setdefault((s["model"], s["mode"]), {})[bench] = m
+            cells.setdefault((s["model"], s["mode"]), {})[benchmark_key(bench)] = m
     present = {b for row in cells.values() for b in row}
-    benches = [(b, name) for b, name in PAPER_ORDER if b in present]
-    benches += [(b, b) for b in sorted(present - dict(PAPER_ORDER).keys())]
-    heads = [f"{name} {'acc' if any(row[b].get('judge') for row in cells.values() if b in row) else 'EM'} / F1"
-             for b, name in benches] + (["Avg. / F1"] if len(benches) > 1 else [])
-    lines = [_line(["model", "mode", *heads]), _line(["---", "---"] + ["---:"] * len(heads))]
-    for (model, mode), row in cells.items():
-        pairs = [(row[b]["judge"]["accuracy"] if row[b].get("judge") else row[b]["em"], row[b]["f1"]) if b in row
-                 else None for b, _ in benches]  # fmt: skip
-        if len(benches) > 1:
-            have = [p for p in pairs if p]
-            pairs.append((sum(h for h, _ in have) / len(have), sum(f for _, f in have) / len(have)))
-        lines.append(_line([model, mode] + ["-" if p is None else f"{_pct(p[0])} / {_pct(p[1])}" for p in pairs]))
-    return "\n".join(lines)
+    benches = [(b, name) for b, name, _ in PAPER_ORDER if b in present] + [(b, b) for b in sorted(present - set(_BENCHMARK))]
+    judged = {b for b, _ in benches if b == "simpleqa" and any(row.get(b, {}).get("judge") for row in cells.values())}
+    tables = []
+    for metric, judge_metric, title in (("em", "accuracy", "EM"), ("f1", "f_score", "F1")):
+        heads = [f"{name} {'acc' if metric == 'em' else 'F'}" if b in judged else name for b, name in benches]
+        lines = [title, _line(["model", "mode", *heads] + ["Avg."] * (len(benches) > 1)),
+                 _line(["---", "---"] + ["---:"] * (len(benches) + (len(benches) > 1)))]
+        for (model, mode), row in cells.items():
+            values = [None if b not in row else (row[b].get("judge") or {}).get(judge_metric) if b in judged else row[b][metric]
+                      for b, _ in benches]  # fmt: skip
+            if len(benches) > 1:
+                plain = [v for (b, _), v in zip(benches, values) if v is not None and b not in judged]
+                values.append(sum(plain) / len(plain) if plain else None)
+            lines.append(_line([model, mode] + ["-" if v is None else _pct(v) for v in values]))
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)

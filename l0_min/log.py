@@ -64,8 +64,13 @@ class RunDir:
 
 
 def write_jsonl(f, record: dict) -> None:
-    """One JSON object per line, flushed: a kill loses at most the line being written."""
-    f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    """One JSON object per line, flushed: a kill loses at most the line being written. Text that is not
+    UTF-8 (an agent's lone surrogate) is written \\u-escaped (the encoder fails before writing): read back
+    as the same str, but for a high surrogate then a low one, read back as the character they encode."""
+    try:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    except UnicodeEncodeError:
+        f.write(json.dumps(record) + "\n")
     f.flush()
 
 

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import unicodedata
+from concurrent.futures import ThreadPoolExecutor
 
 import aiohttp
 
@@ -66,8 +67,9 @@ def tokenize(text: str) -> list[str]:
 class BM25Backend:
     """BM25 over title + text of a list of documents {id, title, text}.
 
-    Indexing 100k passages takes seconds and a query milliseconds, so search runs inline on the
-    event loop.
+    Indexing 100k passages takes seconds and a query milliseconds, but a long query is slower (0.9 s
+    for 840 KB on the demo world: the tool server caps queries) and many episodes search at once, so
+    searches run in one thread of their own, in turn, off the event loop.
     """
 
     def __init__(self, docs: list[dict], k1: float = 1.5, b: float = 0.75):
@@ -90,6 +92,7 @@ class BM25Backend:
         self._by_id = {d["id"]: d for d in self.docs}
         self._bm25 = bm25s.BM25(k1=k1, b=b)
         self._bm25.index([tokenize(d["title"] + " " + d["text"]) for d in self.docs], show_progress=False)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="bm25")
 
     def search_sync(self, query: str, k: int) -> list[dict]:
         _check_k(k)
@@ -100,7 +103,10 @@ class BM25Backend:
                 for i, s in zip(idx[0].tolist(), scores[0].tolist()) if s > 0]  # 0: no query word in the document
 
     async def search(self, query: str, k: int) -> list[dict]:
-        return self.search_sync(query, k)
+        return await asyncio.get_running_loop().run_in_executor(self._thread, self.search_sync, query, k)
+
+    async def close(self) -> None:
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
     async def read_page(self, ref: str) -> str:
         ref = ref.strip()

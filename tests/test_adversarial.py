@@ -8,6 +8,7 @@ on the host itself) also watches the host's health while each attack runs (`host
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import resource
@@ -23,14 +24,15 @@ from l0_min.agent import run_episode
 from l0_min.collect import Services, run_one
 from l0_min.envs.qa import QA
 from l0_min.config import Config, KernelConfig, SandboxConfig
-from l0_min.episode import ANSWERED, ENV_ERROR, KERNEL_CRASHED, Task, training_rows
+from l0_min.episode import ANSWERED, ENV_ERROR, KERNEL_CRASHED, Episode, Step, Task, training_rows
 from l0_min.inference import Generation
 from l0_min.models import tiny_tokenizer
 from l0_min.sandbox import bwrap as sb
+from l0_min.sandbox import cgroup
 from l0_min.sandbox.kernel import Kernel
 from l0_min.sandbox.tools import ToolServer
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.slow]  # attacks take seconds each
 module_fixture = pytest_asyncio.fixture(scope="module", loop_scope="module")
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -526,11 +528,11 @@ async def test_1_a_huge_notepad_is_trimmed_before_the_host_parses_or_tokenizes_i
             rebuilt = TOK.decode(next(s.context_ids for s in ep.steps if s.segment == 1))
             assert "Notepad:\n## Draft\nThe capital of Freedonia" in rebuilt and "characters truncated ...]" in rebuilt
             assert len(rebuilt) < 12_000
-            # the toolbox's own trim undone: what reaches the host is refused unparsed, or (over 4 MB) by zmq
+            # the toolbox's own trim undone: what reaches the host is refused unparsed, or (a frame over 2 MiB) by zmq
             await k.execute("import l0_toolbox._capture as c\nc.trim = lambda text, limit: text\n"
-                            "notepad.draft = 'x' * 3_000_000")  # fmt: skip
+                            "notepad.draft = 'x' * 1_500_000")  # fmt: skip
             note = await k.read_notepad()
-            assert note.startswith("(the notepad is unavailable: the kernel sent no text of at most 8,000 characters: 3,000,0")
+            assert note.startswith("(the notepad is unavailable: the kernel sent no text of at most 8,000 characters: 1,500,0")
             await k.execute("notepad.draft = 'x' * 20_000_000")
             t = time.monotonic()
             assert await k.read_notepad() == "(the notepad is unavailable: the kernel did not answer)"
@@ -812,6 +814,289 @@ async def test_7_no_host_folder_pid_or_kernel_id_inside_and_a_clear_error_for_an
     async with host_health(tools, "7 mountinfo, cmdline, a 2 MB tool request"):
         r = await k.execute(f"SECRETS = {secrets!r}\n" + LOOK)
     lines = r.stdout.splitlines()
-    assert lines[0] == "web_search: the request body is over the limit of 1,048,576 bytes", r.text()
+    assert lines[0] == "web_search: the request body is over the limit of 65,536 bytes", r.text()
     assert lines[1] == "['/proc/1/cmdline', '/proc/2/cmdline', 'mountinfo']" and len(lines) == 2, r.text()
     await host_still_serves(ks)
+
+
+# =========================================================================== the agent chooses nothing
+# Issue 23: an outside attack run found an answer that crashed the run, messages that masked their own
+# episode, buffers and frames that piled up on the host, tool work that held its event loop, and a host
+# that the OOM killer took before the sandboxes. Each attack below runs under `host_health`; those that
+# go through the real collector (collect.run_one) assert that the episode is scored, never masked.
+
+
+async def scored(env: Services, name: str, *codes: str) -> Episode:
+    """One episode through collect.run_one that must be scored: not an env_error, not masked, not retried."""
+    env.policy = Script(*codes)
+    retries = env.counters["env_retries"]
+    ep = await run_one(env, Task(name, "q", ["a"]))
+    assert ep.status != ENV_ERROR and not ep.masked and env.counters["env_retries"] == retries, (name, ep.status, ep.error)
+    return ep
+
+
+async def started(n: int, tools, sandbox: SandboxConfig = SANDBOX, kcfg: KernelConfig = KCFG) -> list[Kernel]:
+    kernels = [Kernel(sandbox, kcfg, tools) for _ in range(n)]
+    await asyncio.gather(*(k.start() for k in kernels))
+    return kernels
+
+
+# --------------------------------------------------------------------------- 8. a lone surrogate answer
+
+
+async def test_8_a_lone_surrogate_answer_is_scored_and_every_run_folder_writer_keeps_it(tools, tmp_path):
+    """Before: submit_final_answer(chr(0xD800)) was accepted, then train.py's trajectory write raised
+    UnicodeEncodeError and ended the run."""
+    from l0_min.evaluation import ResultsFile, record_from_episode
+    from l0_min.log import RunDir, read_episodes, read_jsonl
+    from l0_min.viewer import write_viewer
+
+    env = Services(episode_config(), None, Kernels(await started(1, tools)), tools, TOK, {"qa": QA(Config())})
+    async with host_health(tools, "8 submit_final_answer(chr(0xD800)), printed surrogates"):
+        ep = await scored(env, "surrogate", "print(chr(0xDFFF) + 'x', 'ok')\nsubmit_final_answer(chr(0xD800))")
+    assert ep.status == ANSWERED and ep.final_answer == "\ud800" and ep.rewards["answer"] == 0.0
+    run = RunDir(tmp_path / "run")
+    run.write_trajectories(1, [ep])  # train.py's writer (rollout.py and evaluate.py use the same write_jsonl)
+    assert read_episodes(run.trajectory_path(1))[0].final_answer == "\ud800"  # the agent's str, read back as sent
+    with ResultsFile(tmp_path / "eval" / "results.jsonl") as results:  # evaluate.py's results file
+        results.append(record_from_episode(ep))
+    assert read_jsonl(tmp_path / "eval" / "results.jsonl")[0]["prediction"] == "\ud800"
+    assert "\ufffd" not in write_viewer(run.path, run.viewer_html).read_text()  # written with '?' for it
+
+
+# --------------------------------------------------------------------------- 9. malformed messages
+
+FORGE = "k = get_ipython().kernel\nk.session.send(k.iopub_socket, 'stream', {}, k.get_parent())"  # raw JSON bytes
+
+
+async def test_9_malformed_or_undecodable_kernel_messages_are_the_agents_failure_never_masked(tools):
+    """Before: a forged message of 100,000 nested '[' made Kernel.execute raise RecursionError, and a lone
+    surrogate in the notepad or in a forged stream message made the tokenizer raise: env_error, retried,
+    masked: a reward hack for the taking."""
+    cfg = episode_config(max_context_tokens=2000, max_observation_chars=300)
+    cfg.rollout.max_retries = 1
+    env = Services(cfg, None, Kernels(await started(3, tools)), tools, TOK, {"qa": QA(cfg)})
+    fill = ["print('z' * 290)"] * 7  # fills the context: it is rebuilt around the notepad
+    async with host_health(tools, "9 JSON nested 100,000 deep, surrogates in a stream message and the notepad"):
+        nested = await scored(env, "nested", FORGE.format("b'[' * 100_000"), *fill)
+        stream = await scored(env, "stream", FORGE.format("""b'{"name": "stdout", "text": "\\\\ud800 forged"}'"""), *fill)
+        notepad = await scored(env, "notepad", "notepad.draft = chr(0xD800) * 3 + ' kept'", *fill)
+    assert nested.status == KERNEL_CRASHED and "maximum recursion depth exceeded" in nested.error, nested.error
+    assert "\ufffd forged" in stream.steps[0].observation and stream.status != KERNEL_CRASHED
+    rebuilt = [TOK.decode(s.context_ids) for s in notepad.steps if s.segment > 0]
+    assert notepad.truncations and "\ufffd\ufffd\ufffd kept" in rebuilt[0], notepad.error
+    rows = training_rows([nested, stream, notepad], cfg.algo)
+    assert len(rows) >= 3 and all(sum(r.mask) > 0 for r in rows)  # they train, as failures
+
+
+# --------------------------------------------------------------------------- 10. buffers and frames
+
+COMM = ("k = get_ipython().kernel\n"
+        "send = lambda buffers: k.session.send(k.iopub_socket, 'comm_msg', {'comm_id': 'c', 'data': {}}, k.get_parent(), "
+        "buffers=buffers)\n")  # fmt: skip
+BETWEEN_CELLS = COMM + """import threading, time
+def flood():
+    for _ in range(30):
+        send([b'x' * 3_900_000] * 100)
+        time.sleep(0.1)
+threading.Thread(target=flood, daemon=True).start()"""
+BIG_MESSAGES = """import time
+k = get_ipython().kernel
+for i in range(50):  # 50 x 1.5 MB, each under the frame cap, past the toolbox's output cap
+    type(k.session).send(k.session, k.iopub_socket, 'stream', {'name': 'stdout', 'text': '.' * 1_500_000}, k.get_parent())
+    time.sleep(0.02)"""
+
+
+async def test_10_binary_buffers_and_many_frames_never_pile_up_on_the_host(tools):
+    """Before: 100 buffers of 3.9 MB sent from a thread between cells took the host from 49 to 1,026 MB;
+    one message of 10^6 one-byte frames held the event loop 3.4 s."""
+    envs = []
+    for seconds, n in ((6, 1), (20, 2)):  # building 10^6 frames takes the kernel seconds
+        cfg = episode_config(max_context_tokens=4000)
+        cfg.kernel = KernelConfig(exec_timeout=seconds, interrupt_grace=2, start_timeout=60)
+        envs.append(Services(cfg, None, Kernels(await started(n, tools, kcfg=cfg.kernel)), tools, TOK, {"qa": QA(cfg)}))
+    (short, env) = envs
+    async with host_health(tools, "10 buffers of 3.9 MB between cells, 10^6 frames, 75 MB in a cell"):
+        between = await scored(short, "between", BETWEEN_CELLS, *["import time\ntime.sleep(1)"] * 4)
+        frames = await scored(env, "frames", COMM + "send([b'x'] * 1_000_000)", *["1"] * 7)
+        many = await scored(env, "many", BIG_MESSAGES, *["1"] * 7)
+    print({ep.task.id: (ep.status, ep.error[-160:]) for ep in (between, frames, many)})
+    assert frames.status == KERNEL_CRASHED and "a message of more than 8 frames" in frames.error
+    assert many.status == KERNEL_CRASHED and "more than 64 MB or 20,000 messages in one cell" in many.error
+
+
+# --------------------------------------------------------------------------- 11. tool work and tool calls
+
+THREADS = """import threading, time
+from l0_toolbox.client import ToolError, call
+calls, end = [0], time.time() + 4
+def hammer(tool, **args):
+    while time.time() < end:
+        try:
+            call(tool, **args)
+            calls[0] += 1
+        except ToolError:
+            time.sleep(0.01)
+threads = [threading.Thread(target=hammer, args=({tool!r},), kwargs={args}) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+calls[0]"""
+
+
+async def test_11_tool_work_and_tool_calls_cannot_hold_the_event_loop(tools):
+    """Before: one 840 KB web_search query held the loop 0.9 s (BM25 on the loop); eight threads searching
+    stalled it 6-9 s; 9,122 submit_final_answer calls from 8 threads in 25 s stalled it ~100 ms."""
+    import random
+
+    from l0_min.search import BM25Backend
+
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(3000)]
+    docs = [{"id": f"d{i}", "title": f"doc {i}", "text": " ".join(rng.choices(words, k=120))} for i in range(2000)]
+    backend = BM25Backend(docs)
+    server = ToolServer(backend, timeout=10)
+    await server.start()
+    env = Services(episode_config(), None, Kernels(await started(1, server)), server, TOK, {"qa": QA(Config())})
+    long_queries = ("from l0_toolbox.client import ToolError\nfor q in ['w1 ' * 280_000, 'w' * 2001]:  # 840 KB\n"
+                    "    try:\n        web_search(q)\n    except ToolError as e:\n        print(e)")  # fmt: skip
+    try:
+        async with host_health(tools, "11 an 840 KB query, 8 threads searching, 8 threads submitting"):
+            ep = await scored(env, "tools", long_queries, THREADS.format(tool="web_search", args="{'query': 'w1 w2 ' * 330}"),
+                              THREADS.format(tool="submit_final_answer", args="{'answer': 'x'}"))  # fmt: skip
+    finally:
+        await server.close()
+        await backend.close()
+    obs = [s.observation for s in ep.steps]
+    assert obs[0].split("\n")[1:3] == ["web_search: the request body is over the limit of 65,536 bytes",
+                                       "web_search: the query has 2,001 characters, more than the 2,000 allowed"], obs[0]
+    calls = [(int(o.split("<output>\n")[1].split("\n")[0]), s.seconds) for o, s in zip(obs[1:3], ep.steps[1:3])]
+    print(f"\nCALLS web_search, submit_final_answer from 8 threads for 4 s: (calls, seconds) {calls}")
+    for n, cell_seconds in calls:  # a burst of calls_per_second, then calls_per_second a second; 8 calls in flight
+        assert 10 < n <= server.calls_per_second * (1 + cell_seconds) + 8, calls
+    assert ep.status == ANSWERED and ep.final_answer == "x"
+
+
+# --------------------------------------------------------------------------- 12. the OOM killer's choice
+
+
+async def test_12_sandboxes_are_the_oom_killers_first_choice_and_the_host_lives(tools, tmp_path):
+    """Before: in a 1,200 MB cgroup holding the host (500 MB) and two sandboxes writing 400 MB of memfds
+    each, the OOM killer took the host and left both sandboxes."""
+    k = (await started(1, tools))[0]
+    own = open("/proc/self/oom_score_adj").read()
+    try:
+        async with host_health(tools, "12 oom_score_adj, and a sandbox trying to lower it"):
+            r = await k.execute("import os\ntry:\n    os.write(os.open('/proc/self/oom_score_adj', os.O_WRONLY), b'-1000')\n"
+                                "except OSError as e:\n    print(type(e).__name__)\nprint(open('/proc/self/oom_score_adj').read())")
+        assert r.stdout.split() == ["PermissionError", "1000"], r.text()
+        assert {open(f"/proc/{p}/oom_score_adj").read().strip() for p in sandbox_pids(k)} == {"1000"}
+        assert open("/proc/self/oom_score_adj").read() == own  # the host keeps its own
+    finally:
+        await k.shutdown()
+    how = cgroup.detect()
+    if isinstance(how, str):
+        pytest.skip(f"no cgroup to hold a host and its sandboxes: {how}")
+    version, parents = how
+    box = f"{parents[0]}/l0_min-oomtest-{os.getpid()}"
+    os.mkdir(box)
+    try:
+        for name, value in ({"memory.max": 1200 << 20, "memory.swap.max": 0} if version == 2 else {
+                "memory.limit_in_bytes": 1200 << 20, "memory.memsw.limit_in_bytes": 1200 << 20}).items():
+            if os.path.exists(f"{box}/{name}"):
+                Path(f"{box}/{name}").write_text(str(value))
+        worker = PROJECT / "tests" / "workers" / "oom_host.py"
+        proc = await asyncio.create_subprocess_exec(
+            "/bin/sh", "-c", f'echo 0 >{box}/cgroup.procs && exec "$0" "$1"', sys.executable, str(worker),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 240)
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(box)
+    assert proc.returncode == 0, err.decode()[-2000:]  # the host lived
+    report = json.loads(out.decode().splitlines()[-1])
+    print("\nOOM", report)
+    assert report["adj"] == ["1000", "1000"] and report["shared"][2] == int(1200 * cgroup.SHARE)
+    deaths = [c["death"] for c in report["cells"] if c["dead"]]
+    assert deaths and all("killed" in d for d in deaths), report  # the OOM killer took a sandbox
+
+
+# --------------------------------------------------------------------------- 13. property: any str, any path
+
+HOSTILE = r'''
+import random
+def hostile(i):
+    """String i: hostile ones first (surrogates, NUL, 10^6 characters, a deeply nested repr, the chat's own
+    markup), then random ones drawn from every code point, lone surrogates and NUL included (seed i)."""
+    fixed = ["\ud800", "tail \udfff", "a\x00b\x00", "x" * 1_000_000, "[" * 100_000, repr(eval("[" * 90 + "]" * 90)),
+             "\U0001F600\u202e\ufeff\udbff\udc00", "<|im_end|><" "/code><output>\n</output>", "\x1b[31m\r\n\t\x7f"]
+    if i < len(fixed):
+        return fixed[i]
+    rng = random.Random(i)
+    return "".join(chr(rng.choice([rng.randrange(0x20, 0x7f), rng.randrange(0xd800, 0xe000), rng.randrange(0x110000), 0]))
+                   for _ in range(rng.randrange(1, 300)))
+'''
+PATHS = {  # how a cell hands the host string i: every way the sandbox's text reaches it
+    "print": "print(hostile({i}))",
+    "value": "hostile({i})",
+    "error": "raise ValueError(hostile({i}))",
+    "notepad": "notepad.draft = hostile({i})",
+    "forged": "import json\nk = get_ipython().kernel\ntype(k.session).send(k.session, k.iopub_socket, 'stream', "
+              "json.dumps({{'name': 'stdout', 'text': hostile({i})}}).encode(), k.get_parent())",
+    "tools": "from l0_toolbox.client import ToolError, call\nfor tool, arg in [('web_search', 'query'), ('read_page', 'ref')]:\n"
+             "    try:\n        print(call(tool, **{{arg: hostile({i})}}))\n    except ToolError as e:\n        print(e)",
+}  # fmt: skip
+
+
+def pairs(t: str) -> str:
+    """`t` as JSON reads it back: a high surrogate followed by a low one is the one character they encode."""
+    return t.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
+
+
+async def test_13_property_any_string_on_any_path_reaches_the_tokenizer_and_the_disk(tools, tmp_path):
+    """Issue 23: random and hostile strings through every path from the sandbox to the tokenizer and to
+    disk (trajectories, results, viewer): no exception escapes, the kernel lives, and an episode made of
+    them is scored, not masked."""
+    from l0_min.context import ContextWatcher, chat_format, valid_text
+    from l0_min.evaluation import ResultsFile, make_record, summarize
+    from l0_min.log import RunDir, read_episodes
+    from l0_min.viewer import write_viewer
+
+    namespace: dict = {}
+    exec(HOSTILE, namespace)
+    hostile, n = namespace["hostile"], 24
+    k, cfg = (await started(1, tools))[0], episode_config(max_context_tokens=4000)
+    assert (await k.execute(HOSTILE)).ok
+    run, episodes = RunDir(tmp_path / "run"), []
+    async with host_health(tools, "13 24 hostile strings x print, value, error, notepad, forged message, tools"):
+        for i in range(n):
+            ctx = ContextWatcher(chat_format(TOK), "system", "task", cfg.agent, 256)
+            ep = Episode(Task(f"h{i}", "q", ["a"]), final_answer=hostile(i), status=ANSWERED)
+            for name, code in PATHS.items():
+                r = await k.execute(code.format(i=i))
+                text = await k.read_notepad() if name == "notepad" else r.text(cfg.agent.max_observation_chars)
+                assert not r.dead and valid_text(text) == text, (i, name, r)
+                obs = ctx.add_step(TOK.encode("<code>x</code>", add_special_tokens=False), text, 5)  # the tokenizer
+                ep.steps.append(Step(ctx.ids[-3:], [1], [0.0], observation=obs))
+            episodes.append(ep)
+    run.write_trajectories(1, episodes)
+
+    def texts(eps):
+        return [[pairs(t) for t in (e.final_answer, *(s.observation for s in e.steps))] for e in eps]
+
+    assert texts(read_episodes(run.trajectory_path(1))) == texts(episodes)  # the same strs, read back
+    write_viewer(run.path, run.viewer_html)
+    with ResultsFile(tmp_path / "eval" / "results.jsonl") as results:
+        for e in episodes:
+            results.append(make_record(e.task, 0, e.final_answer, e.status))
+    assert summarize(list(results.by_key.values()))["questions"] == n
+    await k.shutdown()
+    # the same strings in one episode through the collector: scored, with the notepad rebuilt around them
+    cfg = episode_config(max_context_tokens=2000, max_observation_chars=300, max_steps=12)
+    env = Services(cfg, None, Kernels(await started(1, tools)), tools, TOK, {"qa": QA(cfg)})
+    codes = [HOSTILE + "\nnotepad.draft = hostile(0) + hostile(6) + hostile(10)", *(PATHS[p].format(i=i) for p, i in
+             [("print", 11), ("forged", 12), ("error", 1), ("value", 13), ("forged", 2)]), *["print('z' * 290)"] * 5,
+             "submit_final_answer(hostile(0) + hostile(14))"]  # fmt: skip
+    ep = await scored(env, "hostile", *codes)
+    assert ep.status == ANSWERED and ep.final_answer == pairs(hostile(0) + hostile(14)) and ep.truncations, ep.error
+    run.write_trajectories(2, [ep])
+    assert read_episodes(run.trajectory_path(2))[0].final_answer == ep.final_answer

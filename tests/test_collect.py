@@ -161,6 +161,7 @@ async def policy_over_http(script=None, delay=0.0, cfg=None):
         await server.stop()
 
 
+@pytest.mark.slow
 @real
 async def test_32_concurrent_episodes_complete_without_a_failure(stack):
     cfg = config(batch_size=16, n_samples=2, max_concurrency=32)
@@ -188,6 +189,7 @@ def slow_then_answer(question, step, count):
     return ANSWER
 
 
+@pytest.mark.slow
 @real
 async def test_kernels_killed_mid_cell_are_retried_on_fresh_kernels(stack):
     rng = random.Random(0)
@@ -254,6 +256,7 @@ def search_for(question, step, count):
     return ANSWER
 
 
+@pytest.mark.slow
 @real
 async def test_search_backend_errors_and_stalls_are_environment_failures(stack):
     """`boom` fails twice (both first attempts; the retries work), `stall` never answers (masked)."""

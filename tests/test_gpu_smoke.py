@@ -5,6 +5,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # torchrun, two ranks and two servers in subprocesses
 ROOT = Path(__file__).resolve().parents[1]
 
 

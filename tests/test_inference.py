@@ -439,6 +439,7 @@ async def test_an_episode_stays_on_one_server_and_episodes_spread():
 # the same client against the embedded server (real HTTP)
 
 
+@pytest.mark.slow
 async def test_client_against_embedded_server(tiny_server_url):
     async with InferenceClient([tiny_server_url], FAST) as client:
         assert await client.health() and await client.wait_ready() < 5

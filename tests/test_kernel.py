@@ -271,7 +271,8 @@ async def test_tool_server_protocol():
         status, reply = await post("e1", json.dumps({"tool": "rm_rf", "args": {}}))
         assert status == 400 and "unknown tool 'rm_rf'" in reply["error"]
         status, reply = await post("e1", json.dumps({"tool": "submit_final_answer", "args": {"answer": "x" * 5000}}))
-        assert status == 400 and "more than the 2000 allowed" in reply["error"] and server.final_answer("e1") is None
+        assert (status, reply["error"]) == (400, "the answer has 5,000 characters, more than the 2,000 allowed")
+        assert server.final_answer("e1") is None
         status, reply = await post("e2", json.dumps({"tool": "submit_final_answer", "args": {"answer": "B"}}))
         assert (status, reply) == (200, {"ok": True, "result": {"accepted": True, "answer": "B"}})
         assert server.final_answer("e2") == "B" and server.final_answer("e1") is None
@@ -284,6 +285,48 @@ async def test_tool_server_protocol():
     finally:
         await server.close()
     assert not os.path.exists(server.root)
+
+
+async def test_tool_calls_are_capped_paced_and_one_per_connection():
+    """Issue 23, weakness 4: argument and body caps are clear errors, an episode's calls are paced at
+    calls_per_second (a burst of as many first), a connection carries one request, and a query reaches
+    the backend as valid Unicode."""
+    seen = []
+
+    class Backend(FakeBackend):
+        async def search(self, query, k):
+            seen.append(query)
+            return await super().search(query, k)
+
+    server = ToolServer(Backend(), timeout=1.0)
+    await server.start()
+    try:
+        path = server.open_episode("e")
+        session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path, force_close=True))  # as the toolbox
+
+        async def call(tool, **args):
+            async with session.post("http://tools/call", json={"tool": tool, "args": args}) as r:
+                return r.status, (await r.json())
+
+        status, reply = await call("web_search", query="q" * 2001)
+        assert status == 400 and reply["error"] == "the query has 2,001 characters, more than the 2,000 allowed"
+        status, reply = await call("read_page", ref=["d1"])
+        assert status == 400 and reply["error"] == "ref must be a non-empty string, got ['d1']"
+        assert (await call("web_search", query="Paris \ud800"))[0] == 200 and seen == ["Paris \ufffd"]
+        t0 = time.monotonic()  # 3 calls above, 7 left in the burst; then 10 a second, 1.9 s for the other 19
+        statuses = [(await call("submit_final_answer", answer=str(i)))[0] for i in range(26)]
+        assert statuses == [200] * 26 and 1.6 < time.monotonic() - t0 < 4, time.monotonic() - t0
+        await session.close()
+        # two requests written at once on one connection: one answer, then the connection is closed
+        reader, writer = await asyncio.open_unix_connection(path)
+        body = b'{"tool": "submit_final_answer", "args": {"answer": "x"}}'
+        request = b"POST /call HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        writer.write(request * 2)
+        answers = (await asyncio.wait_for(reader.read(), 5)).count(b"HTTP/1.1 200")
+        writer.close()
+        assert answers == 1
+    finally:
+        await server.close()
 
 
 async def test_tools_say_they_are_unavailable_without_a_server(kernels):

@@ -34,6 +34,7 @@ def test_sandbox_probe_names_the_cause_and_the_options_in_one_line(bwrap_without
     check_sandbox(SandboxConfig(enabled=False))  # the explicit opt-out starts no sandbox
 
 
+@pytest.mark.slow
 def test_train_stops_at_start_up_with_that_line(bwrap_without_namespaces, tmp_path):
     import subprocess
     import sys

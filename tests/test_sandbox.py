@@ -47,7 +47,7 @@ def full_argv(cfg: SandboxConfig, tmp_path: Path, inner=("true",), **kw) -> list
 def test_command_line_has_the_isolation_flags(tmp_path):
     launcher = sb.command(SandboxConfig(), str(tmp_path), ["true"], uid=1_999_999_999, cgroup_procs=["/cg/cgroup.procs"])
     assert launcher[:2] == ["/bin/sh", "-c"] and launcher[3] == shutil.which("bwrap")
-    assert launcher[2].startswith("echo 0 >/cg/cgroup.procs && exec \"$0\" --args 3 \"$@\" 3<")  # cgroup, then bwrap
+    assert launcher[2].startswith("echo 1000 >/proc/self/oom_score_adj && echo 0 >/cg/cgroup.procs && exec \"$0\" --args 3 \"$@\" 3<")  # OOM first, cgroup, bwrap
     setpriv = launcher[launcher.index(shutil.which("setpriv")) :]
     assert {"--reuid=1999999999", "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"} <= set(setpriv)
     argv = full_argv(SandboxConfig(), tmp_path)

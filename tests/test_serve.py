@@ -69,6 +69,7 @@ def json_type(v):
 # SGLang's response shape, over HTTP (the subprocess server)
 
 
+@pytest.mark.slow
 async def test_generate_response_has_sglang_shape(tiny_server_url):
     expected = fixture("generate_response_length.json")
     status, body = await post(tiny_server_url, "/generate", {
@@ -85,6 +86,7 @@ async def test_generate_response_has_sglang_shape(tiny_server_url):
         assert isinstance(lp, float) and lp <= 0.0 and tok == out and text is None
 
 
+@pytest.mark.slow
 async def test_batch_n_rid_and_text_in_logprobs(tiny_server_url):
     status, body = await post(tiny_server_url, "/generate", {
         "input_ids": [byte_ids("abc"), byte_ids("de")], "rid": ["a", "b"],
@@ -101,6 +103,7 @@ async def test_batch_n_rid_and_text_in_logprobs(tiny_server_url):
     assert status == 200 and len(body) == 2 and "output_token_logprobs" not in body[0]["meta_info"]
 
 
+@pytest.mark.slow
 async def test_stop_string_is_matched_and_trimmed_like_sglang(tiny_server_url):
     prompt = byte_ids("hello")
     _, full = await post(tiny_server_url, "/generate", {
@@ -144,6 +147,7 @@ async def test_stop_string_is_matched_and_trimmed_like_sglang(tiny_server_url):
         ([1, 2], "schema", "request body: expected a JSON object"),
     ],
 )
+@pytest.mark.slow
 async def test_bad_requests_get_sglang_400s_naming_the_field(tiny_server_url, body, shape, message):
     status, err = await post(tiny_server_url, "/generate", body)
     assert status == 400
@@ -154,6 +158,7 @@ async def test_bad_requests_get_sglang_400s_naming_the_field(tiny_server_url, bo
         assert set(err) == {"error"} and message in err["error"]["message"]
 
 
+@pytest.mark.slow
 async def test_invalid_json_and_server_stays_up(tiny_server_url):
     async with aiohttp.ClientSession() as s:
         async with s.post(tiny_server_url + "/generate", data=b"{not json", headers={"Content-Type": "application/json"}) as r:
@@ -167,6 +172,7 @@ async def test_invalid_json_and_server_stays_up(tiny_server_url):
     assert status == 200 and text.startswith("Cache flushed.")
 
 
+@pytest.mark.slow
 async def test_update_weights_from_disk_errors(tiny_server_url, tmp_path):
     status, body = await post(tiny_server_url, "/update_weights_from_disk", {"model_path": str(tmp_path / "nope")})
     assert status == 400 and body["success"] is False and "does not exist" in body["message"]
@@ -219,6 +225,7 @@ def hf_logprobs(model, prompt, action, temperature=0.0):
     return lp.gather(1, torch.tensor(action)[:, None]).squeeze(1)
 
 
+@pytest.mark.slow
 def test_continuous_batching_joins_and_matches_unbatched_greedy(tiny):
     model, tok = tiny
     prompts = [byte_ids(t) for t in ("hello", "The answer is", "x", "abc def ghi jkl")]

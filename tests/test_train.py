@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # train.py runs in subprocesses (make test-fast leaves them out)
 ROOT = Path(__file__).resolve().parents[1]
 BASE = [sys.executable, "train.py", "--config", "configs/tiny_test.yaml"]
 

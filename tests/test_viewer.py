@@ -142,6 +142,7 @@ def shown_eps(dom: str) -> list[str]:
     return [a["data-status"] for a in Elements(dom).eps() if "hidden" not in a]
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_browser_shows_episodes_and_runs_no_trajectory_code(run_dir, tmp_path):
     url = run_dir.viewer_html.as_uri()
@@ -158,6 +159,7 @@ def test_browser_shows_episodes_and_runs_no_trajectory_code(run_dir, tmp_path):
     assert shown_eps(dom) == ["answered", "max_steps", "env_error", "answered", "timeout"]
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_browser_filters_from_url_hash(run_dir, tmp_path):
     url = run_dir.viewer_html.as_uri()
@@ -170,6 +172,7 @@ def test_browser_filters_from_url_hash(run_dir, tmp_path):
     assert groups == [("step_00001", ' hidden=""'), ("step_00002", "")]  # a group with nothing shown hides
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_csp_blocks_a_script_even_if_escaping_failed(run_dir, tmp_path):
     html = run_dir.viewer_html.read_text(encoding="utf-8")
@@ -181,6 +184,7 @@ def test_csp_blocks_a_script_even_if_escaping_failed(run_dir, tmp_path):
     assert shown_eps(dom) == ["timeout"]  # while the page's own script still runs
 
 
+@pytest.mark.slow
 @needs_chromium
 def test_browser_expands_every_step_from_hash_and_keeps_a_screenshot(run_dir, tmp_path):
     url = run_dir.viewer_html.as_uri() + "#open=all"

@@ -165,6 +165,7 @@ def test_questions_name_their_entities(w):
         assert re.search(r"\?$", t.question)
 
 
+@pytest.mark.slow
 def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
     """`rollout.py --expert`: the SFT episodes of train.py, written by the expert through bwrap'd kernels and
     the tool socket: every lookup answered right in two steps, real search output in the observations."""

@@ -2,11 +2,14 @@
 
 A sandboxed kernel is started as
 
-    sh -c 'echo 0 > <its cgroups>/cgroup.procs && exec bwrap --args 3 "$@" 3<args 4<seccomp ...' bwrap
+    sh -c 'echo 1000 >/proc/self/oom_score_adj && echo 0 > <its cgroups>/cgroup.procs &&
+           exec bwrap --args 3 "$@" 3<args 4<seccomp ...' bwrap
         -- prlimit <limits> -- [setpriv <uid>, no capabilities] -- python -m l0_toolbox.boot -f /run/l0/conn.json
     args (NUL-separated): <namespaces> <seccomp> <mounts> <environment>
 
-The shell joins the sandbox's cgroups (cgroup.py) before bwrap exists. bwrap reads its options,
+The shell makes itself, and so every process of the sandbox, the OOM killer's first choice (the
+sandbox cannot lower it: that needs CAP_SYS_RESOURCE outside its namespaces; the host keeps its own)
+and joins the sandbox's cgroups (cgroup.py) before bwrap exists. bwrap reads its options,
 the seccomp filter and the generated files (passwd, group, conn.json, the toolbox as a zip) from
 fds, so /proc/1/cmdline and /proc/self/mountinfo inside show no folder of the project or the kernel
 (only the venv's, the interpreter's and the tool server's, which are mounted from there).
@@ -197,7 +200,7 @@ def command(cfg: SandboxConfig, runtime_dir: str, inner: list[str], *, conn_file
         run += [find_tool("setpriv"), f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--no-new-privs", "--"]  # fmt: skip
     _write(runtime_dir, "bwrap.args", "".join(a + "\0" for a in args))
-    join = "".join(f"echo 0 >{shlex.quote(p)} && " for p in cgroup_procs)
+    join = "echo 1000 >/proc/self/oom_score_adj && " + "".join(f"echo 0 >{shlex.quote(p)} && " for p in cgroup_procs)
     redirects = " ".join(f"{3 + i}<{shlex.quote(p)}" for i, p in enumerate(files))
     return ["/bin/sh", "-c", f'{join}exec "$0" --args 3 "$@" {redirects}', bwrap, *run, *inner]
 
@@ -335,11 +338,14 @@ def protections(cfg: SandboxConfig) -> tuple[list[str], dict[str, str]]:
         on.append(f"seccomp ({platform.machine()}: no new namespaces, mounts, bpf, io_uring, ptrace)")
     else:
         missing["seccomp"] = f"no seccomp table for the {platform.machine()!r} architecture (x86_64, aarch64 only)"
+    on.append("oom_score_adj 1000 (the OOM killer takes a sandbox before the host)")
     how = cgroup.detect()
+    how = how if isinstance(how, str) else cgroup.shared()
     if isinstance(how, str):
         missing["cgroup"] = how
     else:
-        on.append(f"cgroup v{how[0]} memory ({cfg.total_memory_mb} MB) + pids ({cfg.max_procs + 2})")
+        on.append(f"cgroup v{how[0]} memory ({cfg.total_memory_mb:,} MB) + pids ({cfg.max_procs + 2}); all sandboxes "
+                  f"together {how[2]:,} MB ({cgroup.SHARE:.0%} of the {cgroup.machine_mb():,} MB this process may use)")
     return on, missing
 
 

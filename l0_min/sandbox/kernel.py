@@ -13,10 +13,18 @@ never follows a path in there again (`_launched`).
 
 `execute` never raises for problems of the code it runs: errors, timeouts (interrupt, grace period,
 then kill) and a dead kernel are fields of the result; a death is the agent's own doing (`crashed`)
-unless the host caused it (`death`). What a kernel sends the host is bounded (zmq refuses messages
-over 4 MB; the notepad is read trimmed). A pidfd watches each kernel process: a death is noticed at
+unless the host caused it (`death`). A pidfd watches each kernel process: a death is noticed at
 once, with no polling and no thread per kernel. All kernels share one zmq context. Kernels die with
 a killed host (bwrap --die-with-parent); the next process to start one removes their runtime folders.
+
+What a kernel sends is the agent's (its code holds the session key), bounded before it becomes
+Python objects: zmq drops a connection that sends a frame over MAX_FRAME; a task per channel reads
+all that arrives, frame by frame (`_read`: nothing piles up between cells; no control socket stays
+open), and a message over MAX_FRAMES, a cell over CELL_BYTES or CELL_MESSAGES, or a message that
+does not parse (bad signature, JSON nested past the recursion limit) kills the kernel: the agent's
+failure. Only the kinds `_Output` reads, of the request waited for, are parsed past their headers;
+invalid Unicode is repaired. Left: zmq hands over a message once all its frames are in, so one of
+many frames is held whole in the host's zmq buffers before it can be counted.
 """
 
 from __future__ import annotations
@@ -44,8 +52,9 @@ import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec
 
-from l0_min.sandbox import bwrap as sb
 from l0_min.config import KernelConfig, SandboxConfig
+from l0_min.context import valid_text
+from l0_min.sandbox import bwrap as sb
 from l0_min.sandbox import cgroup
 from l0_min.sandbox.toolbox._capture import trim
 
@@ -55,6 +64,13 @@ _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
 # no history database, plain tracebacks without colour (short, fast, no ANSI), no echo to the process's stdout
 KERNEL_ARGS = ["--HistoryManager.enabled=False", "--InteractiveShell.colors=nocolor", "--InteractiveShell.xmode=Plain",
                "--IPKernelApp.quiet=True"]
+# What the host reads from a kernel: the toolbox keeps a cell to max_output_chars (<= 100,000; 6 bytes a
+# character in JSON, 3 text fields: < 2 MiB), a few KB a frame and a few hundred messages a cell.
+MAX_FRAME = 2 << 20
+MAX_FRAMES = 8  # a topic or identity, the delimiter, the signature, header, parent, metadata, content, one spare
+CELL_BYTES, CELL_MESSAGES = 64 << 20, 20_000  # from one request to the next, so between cells too
+WANTED = {"shell": {"execute_reply"},
+          "iopub": {"stream", "execute_result", "display_data", "update_display_data", "error", "status"}}
 
 
 @dataclass
@@ -136,10 +152,10 @@ def zmq_context() -> zmq.asyncio.Context:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     ctx = zmq.asyncio.Context()
     ctx.set(zmq.MAX_SOCKETS, max(1024, min(hard, 1 << 16)))
-    # a kernel that undoes its output cap cannot push more than this per message (decoding 4 MB
-    # holds the event loop for ~15 ms); a bigger one ends that connection for good. A send to a
-    # peer that is gone fails at once (SNDTIMEO 0) instead of blocking the event loop.
-    ctx.setsockopt(zmq.MAXMSGSIZE, 4 << 20)
+    # a kernel that undoes its output cap cannot push a bigger frame (a bigger one ends that
+    # connection for good). A send to a peer that is gone fails at once (SNDTIMEO 0) instead of
+    # blocking the event loop.
+    ctx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
     ctx.setsockopt(zmq.SNDTIMEO, 0)
     return ctx
 
@@ -147,18 +163,10 @@ def zmq_context() -> zmq.asyncio.Context:
 def sweep_stale_runtime_dirs() -> list[str]:
     """Remove the runtime folders of host processes that died without shutting their kernels down
     (their kernels died with them: bwrap --die-with-parent). Returns the folders removed."""
-    removed = []
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), "l0_min-*-k*-*")):
-        m = re.match(r"l0_min-(\d+)-k", os.path.basename(path))
-        if m is None:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:  # the host process is gone
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path)
-        except PermissionError:  # alive, another user's
-            pass
+    removed = [p for p in glob.glob(os.path.join(tempfile.gettempdir(), "l0_min-*-k*-*"))
+               if (m := re.match(r"l0_min-(\d+)-k", os.path.basename(p))) and not os.path.exists(f"/proc/{m[1]}")]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
     return removed
 
 
@@ -190,9 +198,9 @@ def check(kcfg: KernelConfig) -> None:
     ]:  # fmt: skip
         v = getattr(kcfg, name)
         typed = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
-        if not typed or v < least or strict and v == least:
+        if not typed or v < least or strict and v == least or name == "max_output_chars" and v > 100_000:
             want = f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {least}"
-            raise ValueError(f"kernel.{name} must be {want}, got {v!r}")
+            raise ValueError(f"kernel.{name} must be {want}{' and <= 100,000' * (name == 'max_output_chars')}, got {v!r}")
 
 
 class Kernel:
@@ -214,6 +222,8 @@ class Kernel:
         self._sockets: list[int] = []  # O_PATH fds of the kernel's ipc sockets (zmq connects through them)
         self._killed_for = ""  # why the host killed it (a cell that ignored the interrupt)
         self._lock, self._closed = asyncio.Lock(), False
+        self._inbox, self._readers = {}, []  # channel -> messages of the request waited for (`_read`); the readers
+        self._want, self._cell = "", [0, 0]  # that request's msg_id; bytes and messages read since it was sent
 
     # ---------------------------------------------------------------- start
     async def start(self) -> None:
@@ -246,7 +256,7 @@ class Kernel:
         self.runtime_dir = tempfile.mkdtemp(prefix=f"l0_min-{os.getpid()}-{self.id}-")
         if self.sandbox.enabled and sb.runs_as_root():
             self._uid = sb.UidLease(self.sandbox)
-        if self.sandbox.enabled and not isinstance(cgroup.detect(), str):
+        if self.sandbox.enabled and not isinstance(cgroup.shared(), str):
             limits = self.sandbox.total_memory_mb, self.sandbox.max_procs + 2
             self._cgroup = cgroup.Cgroup(f"l0_min-{os.getpid()}-{self.id}", *limits)
         tools = self.tool_server.open_episode(self.id) if self.tool_server is not None else None
@@ -260,9 +270,13 @@ class Kernel:
         km = self._km = _Manager(context=zmq_context(), transport="ipc", ip=ip, connection_file=conn, autorestart=False)
         km.spec, km.on_launched = spec, lambda: self._launched(ip)
         await km.start_kernel(env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        km._close_control_socket()  # nobody would read it: an interrupt opens one, then closes it (`_run`)
         self._kc = km.client(context=zmq_context())  # not a context (and io thread) of its own
         self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
         await self._until_exit(self._kc.wait_for_ready(timeout=self.kcfg.start_timeout))
+        for name in WANTED:  # from now on everything the kernel sends is read as it arrives
+            self._inbox[name] = asyncio.Queue()
+            self._readers.append(asyncio.ensure_future(self._read(name)))
         # the toolbox must be in the namespace, and the first cell should not pay for warm-up
         r = await self._request("", silent=True, user_expressions={"ok": "type(notepad).__name__"}, timeout=10)
         if r["user_expressions"]["ok"].get("status") != "ok":
@@ -373,17 +387,67 @@ class Kernel:
             raise KernelDied(f"kernel {self.id} exited with status {self._exited.result()}")
         raise asyncio.TimeoutError
 
-    async def _answer(self, get, msg_id: str, deadline: float) -> dict:
-        """The next message from `get` (the iopub or shell channel) that answers `msg_id`."""
+    async def _read(self, name: str) -> None:
+        """Read channel `name` (shell, iopub) as long as the kernel lives; see the module docstring."""
+        sock = getattr(self._kc, f"{name}_channel").socket
+        raw, queue = zmq.Socket.shadow(sock.underlying), self._inbox[name]
+        try:
+            while True:
+                work = 0
+                while work < 1 << 20:  # bytes, at least 64 KiB a message; then the rest of the event loop runs
+                    msg, size = self._receive(await sock.recv(copy=False), raw, WANTED[name])
+                    work += max(size, 64 << 10)
+                    if msg is not None:
+                        queue.put_nowait(msg)
+                await asyncio.sleep(0)
+        except zmq.ZMQError:  # the socket is closed: the kernel is shut down
+            pass
+        except Exception as e:  # the kernel sent what the host will not read: its code did
+            for channel in (self._kc.shell_channel, self._kc.iopub_channel):  # zmq frees what it holds
+                channel.socket.close(linger=0)
+            await self._kill_for(f"it broke its connection to the host: {str(e)[:300] or type(e).__name__}")
+
+    def _receive(self, first: zmq.Frame, raw: zmq.Socket, wanted: set[str]) -> tuple[dict | None, int]:
+        """One message (None unless the request waited for wants it) and its size, counted for the cell."""
+        frames = [first]
+        while frames[-1].more:  # zmq delivers a message whole: its other frames are there
+            if len(frames) == MAX_FRAMES:
+                raise ValueError(f"a message of more than {MAX_FRAMES} frames")
+            frames.append(raw.recv(zmq.NOBLOCK, copy=False))
+        size = sum(len(f) for f in frames)
+        self._cell[0] += size
+        self._cell[1] += 1
+        if self._cell[0] > CELL_BYTES or self._cell[1] > CELL_MESSAGES:
+            raise ValueError(f"more than {CELL_BYTES >> 20} MB or {CELL_MESSAGES:,} messages in one cell")
+        session = self._kc.session
+        _, parts = session.feed_identities(frames, copy=False)
+        msg = session.deserialize(parts, content=False, copy=False)  # the signature; header and parent parsed
+        if msg["parent_header"].get("msg_id") != self._want or msg["msg_type"] not in wanted or len(parts) > 5:
+            return None, size  # another request's, a kind no one reads (comm_msg ...), or with binary buffers
+        msg["content"] = session.unpack(msg["content"])  # json: nesting past the recursion limit raises
+        if not isinstance(msg["content"], dict):
+            raise ValueError(f"a {msg['msg_type']} message whose content is not an object")
+        return msg, size
+
+    def _expect(self, msg_id: str) -> None:
+        """A request was sent: its messages are kept from now on, and its cell's budget starts."""
+        self._want, self._cell = msg_id, [0, 0]
+        for queue in self._inbox.values():
+            while not queue.empty():
+                queue.get_nowait()
+
+    async def _answer(self, channel: str, msg_id: str, deadline: float) -> dict:
+        """The next message on `channel` (iopub, shell) that answers `msg_id`."""
         while True:
-            msg = await self._until_exit(get(), max(0.0, deadline - time.monotonic()))
+            msg = await self._until_exit(self._inbox[channel].get(), max(0.0, deadline - time.monotonic()))
             if msg["parent_header"].get("msg_id") == msg_id:
                 return msg
 
     async def _request(self, code: str, *, timeout: float, **kw) -> dict:
         """Run `code` and return the execute_reply content (its iopub messages are not read)."""
         msg_id = self._kc.execute(code, allow_stdin=False, store_history=False, **kw)
-        return (await self._answer(self._kc.get_shell_msg, msg_id, time.monotonic() + timeout))["content"]
+        self._expect(msg_id)
+        return (await self._answer("shell", msg_id, time.monotonic() + timeout))["content"]
 
     async def execute(self, code: str, timeout: float | None = None) -> ExecResult:
         """Run one cell. Errors, a timeout and a dead kernel are reported in the result."""
@@ -407,9 +471,11 @@ class Kernel:
 
     async def _run(self, code: str, out: "_Output", deadline: float) -> None:
         msg_id = self._kc.execute(code, allow_stdin=False, stop_on_error=False)
+        self._expect(msg_id)
         if not await self._collect(msg_id, out, deadline):
             out.r.timed_out = True
             await self._km.interrupt_kernel()
+            self._km._close_control_socket()  # zmq still delivers the request (linger)
             if not await self._collect(msg_id, out, time.monotonic() + self.kcfg.interrupt_grace):
                 await self._kill_for(f"its cell ignored an interrupt for {self.kcfg.interrupt_grace:g} s")
 
@@ -420,11 +486,14 @@ class Kernel:
 
     def death(self) -> tuple[str, bool]:
         """How the kernel died, and whether the agent's code is to blame: it is, unless the host's
-        OOM killer or a kill from outside the sandbox (bwrap killed by a signal) ended it."""
+        OOM killer or a kill from outside the sandbox (bwrap killed by a signal) ended it (cgroup.oom
+        says when a death at the limit of all sandboxes together counts as its own)."""
         code = self._exited.result() if self._exited is not None and self._exited.done() else None
         oom = self._cgroup.oom() if self._cgroup is not None else ""
-        if self._killed_for or oom == "limit":
-            why = self._killed_for or f"the sandbox reached its memory limit ({self.sandbox.total_memory_mb} MB)"
+        if self._killed_for or oom in ("limit", "all"):
+            why = self._killed_for or (f"the sandbox reached its memory limit ({self.sandbox.total_memory_mb} MB)"
+                                       if oom == "limit" else f"all sandboxes together reached their memory limit "
+                                       f"({self._cgroup.shared_mb:,} MB) while it held over half of its own")  # fmt: skip
             return f"killed: {why}", True
         if oom or (code is not None and code < 0):
             how = "by the host's OOM killer" if oom else f"(signal {-code})"
@@ -436,9 +505,9 @@ class Kernel:
         try:
             with contextlib.suppress(KernelDied):
                 while not out.idle:
-                    out.add(await self._answer(self._kc.get_iopub_msg, msg_id, deadline))
+                    out.add(await self._answer("iopub", msg_id, deadline))
                 while not out.replied:
-                    out.add_reply((await self._answer(self._kc.get_shell_msg, msg_id, deadline))["content"])
+                    out.add_reply((await self._answer("shell", msg_id, deadline))["content"])
         except asyncio.TimeoutError:
             return False
         return True
@@ -474,7 +543,7 @@ class Kernel:
                 raise ValueError(f"a {type(text).__name__} arrived")
         except Exception as e:
             return trim(unavailable(f"the kernel sent no text of at most {limit:,} characters: {e}"), 300)
-        return trim(text, limit)
+        return valid_text(trim(text, limit))
 
     def _died(self) -> KernelDied:
         e = KernelDied(f"kernel {self.id} is not running")
@@ -500,6 +569,8 @@ class Kernel:
         if self._closed:
             return
         self._closed = True
+        for task in self._readers:
+            task.cancel()
         if self._kc is not None:
             self._kc.stop_channels()
         await self._kill()
@@ -529,6 +600,12 @@ class Kernel:
         return f"Kernel({self.id}, {state})"
 
 
+def _str(v) -> str:
+    if not isinstance(v, str):  # a forged message (BROKEN)
+        raise TypeError(f"a text field of a message holds a {type(v).__name__}")
+    return v
+
+
 class _Output:
     """Collects one cell's messages into an ExecResult (`r`); memory is bounded whatever arrives."""
 
@@ -539,14 +616,14 @@ class _Output:
     def add(self, msg: dict) -> None:
         kind, c = msg["msg_type"], msg["content"]
         if kind == "stream":
-            self.streams["stderr" if c.get("name") == "stderr" else "stdout"].add(c.get("text", ""))
+            self.streams["stderr" if c.get("name") == "stderr" else "stdout"].add(_str(c.get("text", "")))
         elif kind == "execute_result":
-            self.r.result = trim(c.get("data", {}).get("text/plain", ""), self.limit)
+            self.r.result = trim(_str(c.get("data", {}).get("text/plain", "")), self.limit)
         elif kind in ("display_data", "update_display_data"):
-            if text := c.get("data", {}).get("text/plain", ""):
+            if text := _str(c.get("data", {}).get("text/plain", "")):
                 self.streams["display"].add(text + "\n")
         elif kind == "error":
-            self.r.error_name, self.r.error_value = c.get("ename", ""), _ANSI.sub("", c.get("evalue", ""))
+            self.r.error_name, self.r.error_value = _str(c.get("ename", "")), _ANSI.sub("", _str(c.get("evalue", "")))
             self.r.traceback = trim(_ANSI.sub("", "\n".join(c.get("traceback", []))), self.limit)
         elif kind == "status" and c.get("execution_state") == "idle":
             self.idle = True
@@ -561,5 +638,7 @@ class _Output:
         r = self.r
         (r.stdout, cut_out), (r.stderr, cut_err), (display, cut_display) = (s.value() for s in self.streams.values())
         r.display, r.duration = display.rstrip("\n"), duration
+        for name in ("stdout", "stderr", "result", "display", "error_name", "error_value", "traceback"):
+            setattr(r, name, valid_text(getattr(r, name)))
         r.truncated |= cut_out or cut_err or cut_display or "characters truncated ...]" in r.result
         return r

@@ -20,6 +20,10 @@ A sandbox cannot exhaust the host's descriptors or event loop: each episode has 
 `max_connections` open connections (more wait in the socket's backlog, or are refused when it is
 full), accepted in small batches, each closed `timeout` + 5 s after it was accepted however idle or
 slow its client. Out of descriptors anyway, a socket pauses for a second and says so once a minute.
+A connection carries one request, and an episode's connections are accepted at most `calls_per_second`
+a second (a burst of as many): its tool calls, submit_final_answer included, wait beyond that. A request
+is at most `max_request_bytes`, a text argument at most `max_arg_chars` (a clear error to the agent);
+searches run off the event loop (search.BM25Backend), and queries go to a backend as valid Unicode.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from collections import Counter, OrderedDict
 
 from aiohttp import web
 
+from l0_min.context import valid_text
+
 log = logging.getLogger(__name__)
 
 TOOLS = ("web_search", "read_page", "submit_final_answer")
@@ -44,7 +50,9 @@ TOOLS = ("web_search", "read_page", "submit_final_answer")
 
 class ToolServer:
     max_connections = 8  # open connections per episode
-    max_answer_chars = 2000
+    calls_per_second = 10  # per episode; a legit cell makes a few
+    max_arg_chars = 2000  # a query, a ref, an answer
+    max_request_bytes = 64 << 10  # 3 such arguments, JSON-escaped at up to 6 bytes a character, fit
 
     def __init__(self, backend=None, *, timeout: float = 20.0, snippet_chars: int = 300, page_chars: int = 4000,
                  top_k: int = 3, keep_closed: int = 10000):  # fmt: skip
@@ -52,7 +60,7 @@ class ToolServer:
         self.snippet_chars, self.page_chars, self.top_k = snippet_chars, page_chars, top_k
         self.root: str | None = None  # the sockets' folder (0700: only this user reaches them)
         self._runner: web.AppRunner | None = None
-        self._sites: dict[str, tuple[str, socket.socket, set]] = {}  # open: key -> (path, listener, connections)
+        self._sites: dict[str, tuple] = {}  # open: key -> (path, listener, connections, [calls due, when counted])
         self._by_path: dict[str, str] = {}  # socket path -> key
         self._answers: dict[str, str] = {}
         self._allowed: dict[str, tuple[str, ...]] = {}  # key -> the search tools its task may call
@@ -64,7 +72,7 @@ class ToolServer:
 
     async def start(self) -> None:
         self.root = tempfile.mkdtemp(prefix="l0_min-tools-")
-        app = web.Application(client_max_size=1 << 20)
+        app = web.Application(client_max_size=self.max_request_bytes)
         app.router.add_post("/call", self._handle)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
@@ -92,18 +100,22 @@ class ToolServer:
         os.chmod(path, 0o666)  # the sandbox may run as another uid; the folder keeps others out
         sock.listen(self.max_connections)  # connections queue from now on
         sock.setblocking(False)
-        self._sites[key], self._by_path[path] = (path, sock, set()), key
+        self._sites[key], self._by_path[path] = (path, sock, set(), [self.calls_per_second, time.monotonic()]), key
         self._calls[key] = Counter()
         asyncio.get_running_loop().add_reader(sock, self._accept, key)
         return path
 
     def _accept(self, key: str) -> None:
-        """Accept what the episode's connection cap allows, then pause briefly (bounded work per turn)."""
-        path, sock, open_ = self._sites[key]
+        """Accept what the episode's connection cap and call rate allow, then pause (bounded work per turn)."""
+        path, sock, open_, bucket = self._sites[key]
         open_ -= {c for c in open_ if c.fileno() < 0}  # closed by aiohttp
-        loop = asyncio.get_running_loop()
+        loop, now = asyncio.get_running_loop(), time.monotonic()
+        bucket[:] = min(self.calls_per_second, bucket[0] + (now - bucket[1]) * self.calls_per_second), now
         pause = 0.02
         while len(open_) < self.max_connections:
+            if bucket[0] < 1:  # until the next call is due
+                pause = max(pause, (1 - bucket[0]) / self.calls_per_second)
+                break
             try:
                 conn, _ = sock.accept()
             except (BlockingIOError, InterruptedError):
@@ -115,6 +127,7 @@ class ToolServer:
                 pause = 1.0
                 break
             open_.add(conn)
+            bucket[0] -= 1
             task = asyncio.ensure_future(self._serve(conn))
             self._pending.add(task)
             task.add_done_callback(self._done)
@@ -134,7 +147,7 @@ class ToolServer:
         """Stop listening for this episode; its answer and counts stay readable for a while."""
         if (entry := self._sites.pop(key, None)) is None:
             return
-        path, sock, _ = entry
+        path, sock, *_ = entry
         self._by_path.pop(path, None)
         asyncio.get_running_loop().remove_reader(sock)
         sock.close()
@@ -203,13 +216,17 @@ class ToolServer:
             errors.append(message)
         return _reply(False, message, status)
 
+    def _text(self, args: dict, name: str, blank_ok: bool = False) -> str:
+        """A text argument of at most max_arg_chars (not blank unless `blank_ok`), else a ValueError for the agent."""
+        v = args.get(name)
+        if not isinstance(v, str) or not (blank_ok or v.strip()):
+            raise ValueError(f"{name} must be a {'' if blank_ok else 'non-empty '}string, got {v!r:.60}")
+        if len(v) > self.max_arg_chars:
+            raise ValueError(f"the {name} has {len(v):,} characters, more than the {self.max_arg_chars:,} allowed")
+        return v
+
     def _submit(self, key: str, args: dict) -> dict:
-        answer = args.get("answer")
-        if not isinstance(answer, str):
-            raise ValueError(f"submit_final_answer: answer must be a string, got {type(answer).__name__}")
-        if len(answer) > self.max_answer_chars:
-            raise ValueError(f"submit_final_answer: the answer has {len(answer)} characters, "
-                             f"more than the {self.max_answer_chars} allowed")  # fmt: skip
+        answer = self._text(args, "answer", blank_ok=True)  # the agent's text, kept as sent
         if key in self._answers:
             return {"accepted": False, "answer": self._answers[key]}
         self._answers[key] = answer
@@ -217,22 +234,21 @@ class ToolServer:
 
     async def _backend_call(self, tool: str, args: dict):
         if self.backend is None:
-            raise ValueError(f"{tool}: no search backend is configured (tools.search=none)")
+            raise ValueError("no search backend is configured (tools.search=none)")
         if tool == "web_search":
-            query, k = args.get("query"), args.get("k", self.top_k)
-            if not isinstance(query, str) or not query.strip():
-                raise ValueError("web_search: query must be a non-empty string")
+            query, k = valid_text(self._text(args, "query")), args.get("k", self.top_k)
             if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 20:
-                raise ValueError(f"web_search: k must be an integer from 1 to 20, got {k!r}")
+                raise ValueError(f"k must be an integer from 1 to 20, got {k!r}")
             hits = await self.backend.search(query, k)
             return [{"id": str(h.get("id", "")), "title": str(h.get("title", "")),
                      "snippet": str(h.get("text", ""))[: self.snippet_chars], "score": float(h.get("score", 0.0))}
                     for h in hits[:k]]  # fmt: skip
-        ref = args.get("ref")
-        if not isinstance(ref, str) or not ref.strip():
-            raise ValueError("read_page: ref must be a non-empty string (a search result's id)")
+        ref = valid_text(self._text(args, "ref"))
         return str(await self.backend.read_page(ref))[: self.page_chars]
 
 
 def _reply(ok: bool, payload, status: int = 200) -> web.Response:
-    return web.json_response({"ok": True, "result": payload} if ok else {"ok": False, "error": payload}, status=status)
+    """One reply; the connection closes after it (one request a connection: `_accept` paces the calls)."""
+    r = web.json_response({"ok": True, "result": payload} if ok else {"ok": False, "error": payload}, status=status)
+    r.force_close()
+    return r

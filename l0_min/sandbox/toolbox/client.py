@@ -26,7 +26,10 @@ def call(tool: str, **args):
         conn.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # HTTP over the episode's socket
         conn.sock.settimeout(timeout)
         conn.sock.connect(path)
-        conn.request("POST", "/call", json.dumps({"tool": tool, "args": args}), {"Content-Type": "application/json"})
+        try:
+            conn.request("POST", "/call", json.dumps({"tool": tool, "args": args}), {"Content-Type": "application/json"})
+        except BrokenPipeError:  # the server answered before the whole body was sent (over its size limit)
+            pass
         resp = conn.getresponse()
         body = resp.read()
     except TimeoutError:
