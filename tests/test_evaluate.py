@@ -775,11 +775,14 @@ def test_cli_errors_are_clear(tmp_path):
 def test_offline_bench_without_data_exits_fast_with_one_actionable_line(tmp_path):  # item 1
     env = {k: v for k, v in os.environ.items() if k not in ("L0_MIN_DATA", "HF_HUB_OFFLINE")}
     env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # a hub that refuses, an empty cache
-    t0 = time.monotonic()
+    t0 = time.monotonic()  # the same imports, no data: how long the process itself takes on this machine now
+    subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--bench", "simpleqa", "--data", str(tmp_path / "none.csv"),
+                    "--out", str(tmp_path / "y")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    t1 = time.monotonic()
     r = subprocess.run([sys.executable, str(ROOT / "evaluate.py"), "--bench", "simpleqa", "--out", str(tmp_path / "x")],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    took = time.monotonic() - t0
-    assert r.returncode == 1 and took < 5, (took, r.stderr)
+    took, itself = time.monotonic() - t1, t1 - t0
+    assert r.returncode == 1 and took < itself + 10, (took, itself, r.stderr)  # the hub library's retries take ~25 s
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("evaluate.py: benchmark simpleqa: no --data"), r.stderr
     for part in ("Pass --data FILE", "L0_MIN_DATA", "data.data_dir", "hub cache", "http://127.0.0.1:9) is not reachable",
                  "simple_qa_test_set.csv of the dataset basicv8vc/SimpleQA"):
