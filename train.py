@@ -78,8 +78,8 @@ from l0_min.viewer import write_viewer  # noqa: E402
 from l0_min.world import ExpertPolicy  # noqa: E402
 
 try:
-    rank, world, device = init_distributed(cfg.learner.backend)
-except RuntimeError as e:  # e.g. a learner GPU already held by an inference server (learner.check_gpu_free)
+    rank, world, device = init_distributed(cfg.learner.backend, cfg.learner.device)
+except (RuntimeError, ValueError) as e:  # learner.device=cuda without CUDA; a learner GPU already held by an inference server (learner.check_gpu_free)
     fail(str(e))
 # Small control messages go over a CPU (gloo) group with a long timeout: the other ranks wait in it
 # while rank 0 collects a batch, which may take far longer than a GPU collective's watchdog allows.
