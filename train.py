@@ -71,7 +71,7 @@ from l0_min.collect import Batches, InferenceDown, TaskStream, drop_stale, run_t
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
 from l0_min.evaluation import format_summary, record_from_episode, summarize, two_proportion_z_test  # noqa: E402
 from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
-from l0_min.log import STEP_HEADER, MetricsLogger, RunDir, batch_metrics, format_step_row, plot_rewards  # noqa: E402
+from l0_min.log import STEP_HEADER, MetricsLogger, RunDir, batch_metrics, log_step, plot_rewards  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
@@ -299,11 +299,7 @@ while step < last and not stopped:
         metrics |= {f"rollout/{k}": v for k, v in batch.stats.items()}
         metrics |= {"rollout_seconds": batch.stats["rollout_seconds"], "sync_seconds": time.perf_counter() - t_sync,
                     "train_seconds": stats["train_seconds"], "seconds": time.perf_counter() - t_step}  # fmt: skip
-        logger.log(step, metrics)
-        run.write_trajectories(step, batch.episodes)
-        print(format_step_row(step, metrics), flush=True)
-        plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
-        write_viewer(run.path, run.viewer_html, cfg.log.viewer_max_per_step or None)
+        log_step(run, logger, step, metrics, batch.episodes, cfg.log.viewer_max_per_step)
         if cfg.run.eval_every > 0 and (step - sft_steps) % cfg.run.eval_every == 0 and step < last and not exit_code:
             evaluate(step)
     if step == last or (cfg.run.save_every > 0 and step % cfg.run.save_every == 0):

@@ -11,7 +11,7 @@ action span masked in (see `segment_rows`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from l0_min import algo
 
@@ -75,11 +75,39 @@ class Episode:
         return sum(len(s.action_ids) for s in self.steps)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """A JSON-able dict. A step that extends its predecessor's context + action (the same segment) is
+        written with only the ids it adds, as `context_new`, not the whole context: what a step writes is
+        bounded by its own tokens, and an episode's record by its longest context, not steps x context.
+
+        >>> s0, s1 = Step([1, 2], [3], [-0.5]), Step([1, 2, 3, 9], [4], [-0.1])
+        >>> d = Episode(Task("t", "q", []), [s0, s1]).to_json()
+        >>> d["steps"][0]["context_ids"], d["steps"][1]["context_new"], "context_ids" in d["steps"][1]
+        ([1, 2], [9], False)
+        >>> Episode.from_json(d).steps == [s0, s1]
+        True
+        """
+        d = asdict(replace(self, steps=[]))
+        prev = None
+        for s in self.steps:
+            rec = {f.name: getattr(s, f.name) for f in fields(Step)}  # the lists themselves: no copy
+            n = len(prev.context_ids) if prev else 0
+            if prev and s.segment == prev.segment and s.context_ids[:n] == prev.context_ids \
+                    and s.context_ids[n : n + len(prev.action_ids)] == prev.action_ids:
+                rec["context_new"] = s.context_ids[n + len(prev.action_ids) :]
+                del rec["context_ids"]
+            d["steps"].append(rec)
+            prev = s
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "Episode":
-        return Episode(**{**d, "task": Task(**d["task"]), "steps": [Step(**s) for s in d["steps"]]})
+        steps: list[Step] = []
+        for s in d["steps"]:
+            if "context_new" in s:  # see to_json
+                s = {**s, "context_ids": steps[-1].context_ids + steps[-1].action_ids + s["context_new"]}
+                del s["context_new"]
+            steps.append(Step(**s))
+        return Episode(**{**d, "task": Task(**d["task"]), "steps": steps})
 
 
 @dataclass

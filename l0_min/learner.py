@@ -487,6 +487,8 @@ class Learner:
         sd = self.full_state_dict(getattr(torch, dtype))
         folder = Path(folder).resolve()
         if self.rank == 0:
+            if self.model.config.tie_word_embeddings:  # lm_head is embed_tokens: SGLang warns of an lm_head.weight
+                sd.pop("lm_head.weight", None)  # (transformers drops it itself only where the two share storage)
             folder.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(folder, state_dict=sd, safe_serialization=True)
             self.model.config.dtype = dtype  # save_pretrained wrote the masters' dtype

@@ -147,11 +147,11 @@ def save_random_llama(folder: str | Path, tokenizer, *, hidden: int = 64, layers
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = {"max_position_embeddings": 4096, "initializer_range": 0.5, "bos_token_id": None, **config}
+    config = {"max_position_embeddings": 4096, "initializer_range": 0.5, "bos_token_id": None, "tie_word_embeddings": False,
+              **config}
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False, **config)
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)

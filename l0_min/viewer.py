@@ -4,7 +4,11 @@
     python -m l0_min.viewer a.jsonl b.jsonl --out view.html
 
 Episodes come from trajectories/*.jsonl (one Episode.to_json() per line), grouped by file (one RL
-step each). Every piece of trajectory text is HTML-escaped on the Python side and the page's own
+step each). For a run folder the page grows: a call renders only the files that are new since the last
+one (`viewer.json` beside the page records them) and writes them over the page's closing script, so
+train.py's call after every step costs that step's episodes, not the whole run's; a file that changed
+(a resumed run rewrote it) rebuilds the page. The filter bar is built by the page's script from the
+episodes it holds. Every piece of trajectory text is HTML-escaped on the Python side and the page's own
 script only toggles `hidden` and `open`: nothing an agent printed is ever parsed as markup or run.
 The page loads no network resources. Filters live in the URL hash, so a view can be linked:
 
@@ -17,6 +21,7 @@ import argparse
 import base64
 import hashlib
 import json
+import os
 import re
 from html import escape
 from pathlib import Path
@@ -128,6 +133,24 @@ def _phase(name: str) -> str:
     return PHASES.get(name.rsplit("_", 1)[0], "other")
 
 
+def _head(path: Path, limit: int | None) -> tuple[list[dict], int]:
+    """The first `limit` records of a trajectories file (None: all), and how many it holds: the others are
+    counted, not parsed. A last line cut short by a kill is left out (as log.read_jsonl does)."""
+    shown, total = [], 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            if not line.endswith("\n"):
+                break
+            if line.strip():
+                total += 1
+                if limit is None or len(shown) < limit:
+                    try:
+                        shown.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"{path}:{i}: not JSON: {e}") from None
+    return shown, total
+
+
 def _group_html(name: str, eps: list[dict], total: int) -> str:
     train = [e for e in eps if not e.get("masked")]  # the means are over the episodes that train
     head = (f"<h2>{_e(name)} <small>{_e(_phase(name))}</small></h2><span>{total} episodes" + (f" (first {len(eps)} shown)" if len(eps) < total else "")
@@ -135,7 +158,8 @@ def _group_html(name: str, eps: list[dict], total: int) -> str:
             + f" · EM {_mean([(e.get('rewards') or {}).get('em') for e in train])}"
             + f" · answered {sum(e.get('status') == 'answered' for e in eps)}/{len(eps)}</span>")
     body = "".join(_episode_html(ep, name) for ep in eps)
-    return f'<section class="group" data-step="{_e(name)}"><div class="ghead">{head}</div>{body}</section>'
+    return (f'<section class="group" data-step="{_e(name)}" data-phase="{_e(_phase(name))}" data-total="{total}">'
+            f'<div class="ghead">{head}</div>{body}</section>')
 
 
 def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = None, title: str | None = None) -> Path:
@@ -144,48 +168,62 @@ def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = 
     src: a run folder (its trajectories/*.jsonl), a folder of .jsonl files, one .jsonl file, or a
     list of them. max_episodes_per_step keeps the first N episodes of each file (whole groups come
     first, as collected), to keep the page small for large batches (train.py passes
-    cfg.log.viewer_max_per_step); None or 0 keeps all.
+    cfg.log.viewer_max_per_step); None or 0 keeps all. For one folder, only files new since the last
+    call are read and appended (see the module docstring).
     """
-    files = _jsonl_files(src)
-    groups = [(f.stem, eps[:max_episodes_per_step or None], len(eps)) for f in files for eps in [read_jsonl(f)]]
-    shown = [str(ep.get("status", "")) for _, eps, _ in groups for ep in eps]
-    statuses = [s for s in STATUSES if s in shown] + sorted(set(shown) - set(STATUSES))
-    boxes = "".join(f'<label class="badge s-{_e(s)}"><input type="checkbox" name="status" value="{_e(s)}" checked> '
-                    f"{_e(s)} ({shown.count(s)})</label>" for s in statuses)
-    options = '<option value="">all steps</option>' + "".join(  # SFT, RL and evaluation files apart
-        f'<optgroup label="{_e(phase)}">' + "".join(f'<option value="{_e(n)}">{_e(n)} ({t})</option>'
-                                                   for n, _, t in groups if _phase(n) == phase) + "</optgroup>"
-        for phase in [*PHASES.values(), "other"] if any(_phase(n) == phase for n, _, _ in groups))
+    files, out_html, limit = _jsonl_files(src), Path(out_html), max_episodes_per_step or None
     one = isinstance(src, (str, Path))
-    plot = ""
-    if one and (png := Path(src) / "plots" / "rewards.png").is_file():
-        data = base64.b64encode(png.read_bytes()).decode()
-        plot = f'<details class="plot"><summary>reward curves</summary><img alt="rewards" src="data:image/png;base64,{data}"></details>'
-    body = "".join(_group_html(*g) for g in groups) or '<p class="dim">no trajectories found</p>'
-    page = _PAGE.format(title=_e(title or (Path(src).name if one else f"{len(files)} files")), n_eps=len(shown),
-                        n_steps=len(groups), boxes=boxes, options=options, plot=plot, body=body, css=_CSS, js=_JS,
-                        script_hash=_SCRIPT_HASH)
-    out_html = Path(out_html)
-    out_html.parent.mkdir(parents=True, exist_ok=True)
-    out_html.write_text(page, encoding="utf-8", errors="replace")  # lone surrogates from bad UTF-8 -> '?'
+    title = title or (Path(src).name if one else f"{len(files)} files")
+    stamps = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    state_file, key = out_html.with_suffix(".json"), {"title": title, "max_per_step": limit}
+    done = _appendable(out_html, state_file, key, stamps) if one and Path(src).is_dir() else None
+    groups = "".join(_group_html(f.stem, *_head(f, limit)) for f in files if done is None or f.name not in done)
+    if done is None:
+        out_html.parent.mkdir(parents=True, exist_ok=True)
+        png = Path(src) / "plots" / "rewards.png" if one else None
+        plot = (f'<p class="dim"><a href="{_e(os.path.relpath(png, out_html.parent))}">reward curves</a></p>'
+                if png and png.is_file() else "")  # a link: the plot changes every step, the page is appended to
+        head = _PAGE.format(title=_e(title), plot=plot, css=_CSS, script_hash=_SCRIPT_HASH)
+        out_html.write_bytes((head + groups + _END).encode("utf-8", errors="replace"))  # lone surrogates -> '?'
+    else:
+        with open(out_html, "r+b") as page:
+            page.seek(-len(_END_BYTES), 2)
+            page.truncate()
+            page.write((groups + _END).encode("utf-8", errors="replace"))
+    if one and Path(src).is_dir():
+        state_file.write_text(json.dumps({"key": key, "files": stamps}))
     return out_html
 
 
+def _appendable(out_html: Path, state_file: Path, key: dict, stamps: dict) -> set | None:
+    """The files the page already shows, if it can be appended to: it ends as this module writes pages, was
+    written with the same title and limit, and none of its files changed since. Else None (rebuild)."""
+    try:
+        state = json.loads(state_file.read_text())
+        with open(out_html, "rb") as page:
+            page.seek(-len(_END_BYTES), 2)
+            ends = page.read() == _END_BYTES
+    except (OSError, ValueError):
+        return None
+    files = state.get("files") if isinstance(state, dict) else None
+    if not ends or state.get("key") != key or not isinstance(files, dict):
+        return None
+    return set(files) if all(stamps.get(name) == stamp for name, stamp in files.items()) else None
+
+
+# The page: its head and filter bar (filled by the script), then one <section> per trajectories file, then _END.
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src '{script_hash}'">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src '{script_hash}'">
 <title>{title} · trajectories</title><style>{css}</style></head>
 <body>
-<header><h1>{title} <small>{n_eps} episodes · {n_steps} steps</small></h1>
-<div class="bar"><span class="lbl2">status</span>{boxes}
-<span class="lbl2">step</span><select id="step">{options}</select>
+<header><h1>{title} <small id="counts"></small></h1>
+<div class="bar"><span class="lbl2">status</span><span id="boxes"></span>
+<span class="lbl2">step</span><select id="step"><option value="">all steps</option></select>
 <button id="open">expand all</button><button id="close">collapse all</button>
 <span id="shown" class="dim"></span></div></header>
-<main>{plot}{body}</main>
-<script>{js}</script>
-</body></html>
-"""
+<main>{plot}"""
 
 _CSS = """
 :root { --bg:#f6f7f9; --card:#fff; --line:#dde1e6; --dim:#6b7280; --ok:#15803d; --bad:#b91c1c; }
@@ -229,15 +267,34 @@ pre { margin:0; padding:5px 8px; border-radius:4px; white-space:pre-wrap; word-b
 .code pre { background:#1f2937; color:#e5e7eb; } .out pre { background:#fffbeb; border:1px solid #fde68a; }
 .raw { margin:3px 0 3px 5em; font-size:12px; color:var(--dim); } .raw pre { background:#f3f4f6; color:#111827; }
 pre.err { background:#fef2f2; color:var(--bad); }
-.dim { color:var(--dim); } .plot img { max-width:100%; } .plot summary { cursor:pointer; color:var(--dim); }
+.dim { color:var(--dim); }
 """
 
 _JS = """
 (function () {
   "use strict";
   const all = sel => Array.from(document.querySelectorAll(sel));
-  const eps = all(".ep"), groups = all(".group"), boxes = all('input[name="status"]');
-  const stepSel = document.getElementById("step"), shown = document.getElementById("shown");
+  const eps = all(".ep"), groups = all(".group"), stepSel = document.getElementById("step");
+  const shown = document.getElementById("shown"), el = (tag, props) => Object.assign(document.createElement(tag), props);
+
+  // the filter bar, from the episodes on the page: a box per status (known ones first), an option per file
+  const count = new Map();
+  eps.forEach(e => count.set(e.dataset.status, (count.get(e.dataset.status) || 0) + 1));
+  const known = STATUSES.filter(s => count.has(s)), other = Array.from(count.keys()).filter(s => !STATUSES.includes(s)).sort();
+  known.concat(other).forEach(s => {
+    const label = el("label", {className: "badge s-" + s});
+    label.append(el("input", {type: "checkbox", name: "status", value: s, checked: true}), " " + s + " (" + count.get(s) + ")");
+    document.getElementById("boxes").append(label, " ");
+  });
+  PHASES.concat(["other"]).forEach(phase => {
+    const mine = groups.filter(g => g.dataset.phase === phase);
+    if (!mine.length) return;
+    const og = el("optgroup", {label: phase});
+    mine.forEach(g => og.append(el("option", {value: g.dataset.step, textContent: g.dataset.step + " (" + g.dataset.total + ")"})));
+    stepSel.append(og);
+  });
+  document.getElementById("counts").textContent = eps.length + " episodes · " + groups.length + " steps";
+  const boxes = all('input[name="status"]');
 
   function readHash() {  // #status=answered,timeout&step=step_00002&open=all
     const p = new URLSearchParams(location.hash.slice(1));
@@ -262,18 +319,20 @@ _JS = """
     groups.forEach(g => { g.hidden = !g.querySelector(".ep:not([hidden])"); });
     shown.textContent = eps.filter(e => !e.hidden).length + " of " + eps.length + " shown";
   }
-  boxes.concat([stepSel]).forEach(el => el.addEventListener("change", () => { apply(); writeHash(); }));
+  boxes.concat([stepSel]).forEach(x => x.addEventListener("change", () => { apply(); writeHash(); }));
   document.getElementById("open").onclick = () => eps.forEach(e => { if (!e.hidden) e.open = true; });
   document.getElementById("close").onclick = () => eps.forEach(e => { e.open = false; });
   window.addEventListener("hashchange", () => { readHash(); apply(); });
   readHash();
   apply();
 })();
-"""
+""".replace("STATUSES", json.dumps(list(STATUSES))).replace("PHASES", json.dumps(list(PHASES.values())))
 
 # Defence in depth: the page's Content-Security-Policy lets only this exact script run, so even a
 # bug in escaping could not execute a script (or an onerror= handler) an agent printed.
 _SCRIPT_HASH = "sha256-" + base64.b64encode(hashlib.sha256(_JS.encode()).digest()).decode()
+_END = f"</main>\n<script>{_JS}</script>\n</body></html>\n"  # a page ends so; new files are written over it
+_END_BYTES = _END.encode()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -62,6 +62,12 @@ def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     assert lora["max_logit_diff_vs_plain_peft"] < 1e-4 and lora["keys_as_base"] and lora["base_changed"] > 0
 
 
+def test_kl_reference_on_2_ranks_and_a_tied_model_exports_its_embedding_once(report):
+    tied = report["tied"]  # issue 24: both builds once shared rank 0's dict, and the reference's build crashed
+    assert tied["kl"][0] == 0.0 and tied["kl"][1] > 0  # the reference is the step-0 policy; step 2 left it
+    assert tied["keys"] == ["model.embed_tokens.weight"]
+
+
 def test_resume_reproduces_the_next_step(report):
     assert report["resume_extra"] == {"data_position": 1}
     assert report["loss_step2_resumed"] == report["loss_step2"]
