@@ -40,7 +40,6 @@ from l0_min.inference import InferenceClient, episode_key  # noqa: E402
 from l0_min.learner import (Learner, all_reduce, close_distributed, init_distributed, nvidia_smi, shard_rows,  # noqa: E402
                             token_logprobs)
 from l0_min.models import resolve_model  # noqa: E402
-from l0_min.runtime import sync_weights  # noqa: E402
 from l0_min.serve.server import start_server_process, stop_server_process  # noqa: E402
 
 T0 = time.perf_counter()
@@ -148,7 +147,7 @@ folder = learner.export_hf(weights / "step_00001", dtype=dtype)  # servers on ot
 if rank0:
     from safetensors import safe_open
 
-    runner.run(sync_weights(client, folder, "1"))
+    runner.run(client.update_weights_from_disk(str(folder), "1"))  # (not runtime.sync_weights: no sandbox imports)
     dtypes = set()
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:

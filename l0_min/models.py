@@ -181,7 +181,13 @@ def _convert_smollm2(out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _special_tokens_from_gguf(tok, gguf)
     tok.chat_template = tok.chat_template or CHATML_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:  # transformers 5 keeps GGUF weights in their blocks (and will not save them) unless told to unpack them
+        from transformers import GgufConfig
+
+        unpack = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # 4.x always unpacks
+        unpack = {}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **unpack)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)
