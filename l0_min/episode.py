@@ -75,9 +75,8 @@ class Episode:
         return sum(len(s.action_ids) for s in self.steps)
 
     def to_json(self) -> dict:
-        """A JSON-able dict. A step that extends its predecessor's context + action (the same segment) is
-        written with only the ids it adds, as `context_new`, not the whole context: what a step writes is
-        bounded by its own tokens, and an episode's record by its longest context, not steps x context.
+        """A JSON-able dict. A step that extends its predecessor's context + action (one segment) holds only
+        the ids it adds (`context_new`): an episode's record grows with its longest context, not steps x context.
 
         >>> s0, s1 = Step([1, 2], [3], [-0.5]), Step([1, 2, 3, 9], [4], [-0.1])
         >>> d = Episode(Task("t", "q", []), [s0, s1]).to_json()
@@ -87,16 +86,13 @@ class Episode:
         True
         """
         d = asdict(replace(self, steps=[]))
-        prev = None
-        for s in self.steps:
+        for prev, s in zip([None, *self.steps], self.steps):
             rec = {f.name: getattr(s, f.name) for f in fields(Step)}  # the lists themselves: no copy
-            n = len(prev.context_ids) if prev else 0
-            if prev and s.segment == prev.segment and s.context_ids[:n] == prev.context_ids \
-                    and s.context_ids[n : n + len(prev.action_ids)] == prev.action_ids:
-                rec["context_new"] = s.context_ids[n + len(prev.action_ids) :]
+            n = len(prev.context_ids) + len(prev.action_ids) if prev else 0
+            if prev and s.segment == prev.segment and s.context_ids[:n] == prev.context_ids + prev.action_ids:
+                rec["context_new"] = s.context_ids[n:]
                 del rec["context_ids"]
             d["steps"].append(rec)
-            prev = s
         return d
 
     @staticmethod

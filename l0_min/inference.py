@@ -17,9 +17,8 @@ or stop string included) and the text decodes all of them.
 
 Routing: generation goes to `urls` (SGLang servers, or one sglang-router URL); weight updates and
 version checks go to `inference.worker_urls` (default: `urls`), since a router has no
-/update_weights_from_disk. Keys: `inference.api_key_env` names the variable holding SGLang's --api-key
-(sent on every request), `inference.admin_api_key_env` the one holding its --admin-api-key, which SGLang
-0.5.23 then requires on /update_weights_from_disk instead of the API key (utils/auth.py, ADMIN_OPTIONAL). Every request of one episode goes to the same server, so its growing
+/update_weights_from_disk. Keys: the variable `inference.api_key_env` names holds SGLang's --api-key (sent on
+every request), `inference.admin_api_key_env` its --admin-api-key (sent on /update_weights_from_disk). Every request of one episode goes to the same server, so its growing
 context stays in that server's prefix cache: the episode's first request picks the server with the
 fewest requests in flight (ties: round robin), later ones follow it (the key is `episode_key`, a
 context variable the agent sets per episode; through a router it is sent as the X-SMG-Routing-Key
@@ -157,14 +156,6 @@ def _error_message(text: str) -> str:
     return text.strip()[:1000]
 
 
-def _secret(cfg: InferenceConfig, field: str) -> str:
-    """The key in the environment variable that `cfg.<field>` names ("" when it names none)."""
-    name = getattr(cfg, field)
-    if name and not os.environ.get(name):
-        raise ValueError(f"inference.{field}: the environment variable {name} is not set")
-    return os.environ.get(name, "") if name else ""
-
-
 def _servers(urls, field: str) -> list[_Server]:
     for u in urls:
         if not isinstance(u, str) or not u.startswith(("http://", "https://")):
@@ -179,7 +170,10 @@ class InferenceClient:
         if max_connections < 1:
             raise ValueError(f"max_connections: expected at least 1, got {max_connections}")
         self.cfg = cfg or InferenceConfig()
-        key, admin = (_secret(self.cfg, f) for f in ("api_key_env", "admin_api_key_env"))
+        for field in ("api_key_env", "admin_api_key_env"):  # each names an environment variable holding a key
+            if (name := getattr(self.cfg, field)) and not os.environ.get(name):
+                raise ValueError(f"inference.{field}: the environment variable {name} is not set")
+        key, admin = (os.environ.get(name, "") if name else "" for name in (self.cfg.api_key_env, self.cfg.admin_api_key_env))
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
         self._admin = {"Authorization": f"Bearer {admin}"} if admin else {}  # replaces the session's header
         self.servers = _servers(urls, "inference.urls")
@@ -243,8 +237,8 @@ class InferenceClient:
         except BadRequestError as e:
             if "HTTP 404" not in str(e) or server.info_route == "/get_model_info":
                 raise
-            server.info_route = "/get_model_info"
-            return (await self._attempt(server, "GET", server.info_route))[1]
+        server.info_route = "/get_model_info"
+        return (await self._attempt(server, "GET", server.info_route))[1]
 
     async def _confirm(self, server: _Server, version: str, path: str) -> None:
         """Poll the worker's model info until it reports `version`, for at most inference.ready_timeout."""

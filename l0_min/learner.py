@@ -86,30 +86,28 @@ def close_distributed(group=None) -> None:
 
 
 def nvidia_smi() -> tuple[int, str] | None:
-    """(GPUs that nvidia-smi lists, the newest CUDA its driver supports), or None where it is absent or fails."""
+    """(GPUs that nvidia-smi lists, the newest CUDA its driver supports), or None where it is absent or sees none."""
     try:
-        out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=30).stdout
-        gpus = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        out, gpus = (subprocess.run(["nvidia-smi", *a], capture_output=True, text=True, timeout=30).stdout for a in ([], ["-L"]))
     except (OSError, subprocess.SubprocessError):
         return None
-    n, cuda = gpus.count("GPU "), re.search(r"CUDA Version:\s*([\d.]+)", out)
-    return (n, cuda.group(1) if cuda else "?") if n else None
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", out)
+    return (gpus.count("GPU "), cuda.group(1) if cuda else "?") if "GPU " in gpus else None
 
 
 def cuda_missing() -> str:
-    """Why torch cannot use CUDA here, in one line: a CPU build, no driver, or a driver older than torch's CUDA."""
-    head, built = f"learner.device=cuda but torch {torch.__version__} cannot use CUDA: ", torch.version.cuda
+    """Why torch cannot use CUDA here, in one line: a CPU build, no GPU seen, or a driver older than torch's CUDA."""
+    built, head = torch.version.cuda, f"learner.device=cuda but torch {torch.__version__} cannot use CUDA: "
     if built is None:
-        return head + "it is a CPU build (install the CUDA build: pip install torch from PyPI on Linux)"
+        return head + "it is a CPU build (on Linux, torch from PyPI is the CUDA build)"
     if (smi := nvidia_smi()) is None:
-        return head + f"nvidia-smi finds no GPU (no NVIDIA driver, or no GPU given to this container); torch is built for CUDA {built}"
-    n, supported = smi
-    vers = lambda v: tuple(int(x) for x in re.findall(r"\d+", v))  # noqa: E731
+        return head + f"nvidia-smi finds no GPU (no driver, or none given to this container); torch is built for CUDA {built}"
+    (n, supported), vers = smi, lambda v: [int(x) for x in re.findall(r"\d+", v)]
     if vers(supported) < vers(built):
-        return head + (f"nvidia-smi sees {n} GPU(s) but the driver supports CUDA {supported} and torch is built for "
-                       f"CUDA {built}: update the driver (CUDA 13 needs >= 580) or install a torch built for CUDA <= {supported}")
-    return head + (f"nvidia-smi sees {n} GPU(s), driver CUDA {supported}, torch built for CUDA {built}; check "
-                   f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')} and the container's --gpus")
+        return head + (f"nvidia-smi sees {n} GPU(s) but the driver supports CUDA {supported} and torch is built for CUDA "
+                       f"{built}: update the driver (CUDA 13 needs >= 580) or install a torch built for CUDA <= {supported}")
+    return head + (f"nvidia-smi sees {n} GPU(s), driver CUDA {supported}, torch built for CUDA {built}; check CUDA_VISIBLE_"
+                   f"DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')} and the container's --gpus")
 
 
 def check_gpu_free(device: torch.device, min_free: float = 0.5) -> None:

@@ -27,7 +27,6 @@ from html import escape
 from pathlib import Path
 
 from l0_min.episode import STATUSES
-from l0_min.log import read_jsonl
 
 
 def _e(x) -> str:
@@ -134,21 +133,13 @@ def _phase(name: str) -> str:
 
 
 def _head(path: Path, limit: int | None) -> tuple[list[dict], int]:
-    """The first `limit` records of a trajectories file (None: all), and how many it holds: the others are
-    counted, not parsed. A last line cut short by a kill is left out (as log.read_jsonl does)."""
-    shown, total = [], 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for i, line in enumerate(f, 1):
-            if not line.endswith("\n"):
-                break
-            if line.strip():
-                total += 1
-                if limit is None or len(shown) < limit:
-                    try:
-                        shown.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"{path}:{i}: not JSON: {e}") from None
-    return shown, total
+    """The first `limit` records of a trajectories file (None: all), and how many it holds (the others are
+    counted, not parsed). A last line cut short by a kill is left out, as log.read_jsonl does."""
+    lines = [x for x in Path(path).read_text(encoding="utf-8", errors="replace").split("\n")[:-1] if x.strip()]
+    try:
+        return [json.loads(x) for x in lines[:limit]], len(lines)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
 
 
 def _group_html(name: str, eps: list[dict], total: int) -> str:
@@ -172,43 +163,39 @@ def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = 
     call are read and appended (see the module docstring).
     """
     files, out_html, limit = _jsonl_files(src), Path(out_html), max_episodes_per_step or None
-    one = isinstance(src, (str, Path))
-    title = title or (Path(src).name if one else f"{len(files)} files")
-    stamps = {f.name: [f.stat().st_size, f.stat().st_mtime_ns] for f in files}
+    folder = Path(src) if isinstance(src, (str, Path)) and Path(src).is_dir() else None  # its page grows
+    title = title or (Path(src).name if isinstance(src, (str, Path)) else f"{len(files)} files")
+    stamps = {f.name: [(st := f.stat()).st_size, st.st_mtime_ns] for f in files}
     state_file, key = out_html.with_suffix(".json"), {"title": title, "max_per_step": limit}
-    done = _appendable(out_html, state_file, key, stamps) if one and Path(src).is_dir() else None
+    done = _appendable(out_html, state_file, key, stamps) if folder else None
     groups = "".join(_group_html(f.stem, *_head(f, limit)) for f in files if done is None or f.name not in done)
-    if done is None:
-        out_html.parent.mkdir(parents=True, exist_ok=True)
-        png = Path(src) / "plots" / "rewards.png" if one else None
-        plot = (f'<p class="dim"><a href="{_e(os.path.relpath(png, out_html.parent))}">reward curves</a></p>'
-                if png and png.is_file() else "")  # a link: the plot changes every step, the page is appended to
-        head = _PAGE.format(title=_e(title), plot=plot, css=_CSS, script_hash=_SCRIPT_HASH)
-        out_html.write_bytes((head + groups + _END).encode("utf-8", errors="replace"))  # lone surrogates -> '?'
-    else:
-        with open(out_html, "r+b") as page:
+    out_html.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_html, "wb" if done is None else "r+b") as page:
+        if done is None:
+            png = folder / "plots" / "rewards.png" if folder else None  # linked: the plot changes every step
+            plot = (f'<p class="dim"><a href="{_e(os.path.relpath(png, out_html.parent))}">reward curves</a></p>'
+                    if png and png.is_file() else "")
+            page.write(_PAGE.format(title=_e(title), plot=plot, css=_CSS, script_hash=_SCRIPT_HASH).encode())
+        else:
             page.seek(-len(_END_BYTES), 2)
             page.truncate()
-            page.write((groups + _END).encode("utf-8", errors="replace"))
-    if one and Path(src).is_dir():
+        page.write((groups + _END).encode("utf-8", errors="replace"))  # lone surrogates from bad UTF-8 -> '?'
+    if folder:
         state_file.write_text(json.dumps({"key": key, "files": stamps}))
     return out_html
 
 
 def _appendable(out_html: Path, state_file: Path, key: dict, stamps: dict) -> set | None:
-    """The files the page already shows, if it can be appended to: it ends as this module writes pages, was
-    written with the same title and limit, and none of its files changed since. Else None (rebuild)."""
+    """The files the page shows, if new ones can be appended: it ends as this module writes pages, with the
+    same title and limit, and none of its files changed since. Else None (build it anew)."""
     try:
         state = json.loads(state_file.read_text())
         with open(out_html, "rb") as page:
             page.seek(-len(_END_BYTES), 2)
-            ends = page.read() == _END_BYTES
-    except (OSError, ValueError):
+            same = page.read() == _END_BYTES and state["key"] == key
+        return set(state["files"]) if same and all(stamps.get(n) == v for n, v in state["files"].items()) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    files = state.get("files") if isinstance(state, dict) else None
-    if not ends or state.get("key") != key or not isinstance(files, dict):
-        return None
-    return set(files) if all(stamps.get(name) == stamp for name, stamp in files.items()) else None
 
 
 # The page: its head and filter bar (filled by the script), then one <section> per trajectories file, then _END.

@@ -240,5 +240,5 @@ def test_a_run_folder_page_grows_by_the_new_files_only(tmp_path):
     grown = write_viewer(rd.path, rd.viewer_html).read_bytes()
     assert grown.startswith(first[: -len(_END_BYTES)]) and grown == write_viewer(fresh.path, fresh.viewer_html).read_bytes()
     rd.write_trajectories(2, episodes_step2()[:1])  # a resumed run rewrote step 2: the page is built again
-    with pytest.raises(ValueError, match="step_00001.jsonl:1: not JSON"):
+    with pytest.raises(ValueError, match="step_00001.jsonl: not JSON"):
         write_viewer(rd.path, rd.viewer_html)
