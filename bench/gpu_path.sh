@@ -4,8 +4,8 @@
 #     bash bench/gpu_path.sh            # from the repository root, with the python that has torch (CUDA) and transformers
 #     PY=/path/to/python bash bench/gpu_path.sh
 #
-# It needs torch with CUDA and transformers (4.56+ or 5.x); aiohttp for the smoke test; pytest for the tests. It needs
-# no network, no bubblewrap and no Jupyter (nothing here starts a kernel). Each check prints PASS or FAIL and a reason:
+# It needs torch with CUDA and transformers (4.56+ or 5.x), aiohttp for the smoke test, pytest and pytest-asyncio for
+# the tests; no network, no bubblewrap and no Jupyter (nothing here starts a kernel). Each check prints PASS or FAIL:
 #   1. learner     configs/gpu_example.yaml's learner (learner.device cuda, bf16 mixed precision, activation
 #                  checkpointing, the KL reference at kl_coef 0.001) on one CUDA rank with tiny-random: two steps
 #                  (KL 0 at step 1, > 0 at step 2), a bf16 export
