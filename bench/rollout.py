@@ -70,7 +70,7 @@ def fast_byte_tokenizer():
     tokenizer, as real models have: the same ids, without the Python ByT5Tokenizer's cost per call."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # (4.x and 5.x; gpt2 moved it in 5)
 
     chars = bytes_to_unicode()
     t = Tokenizer(models.BPE(vocab={"<pad>": 0, "</s>": 1, "<unk>": 2} | {chars[b]: b + 3 for b in range(256)},

@@ -114,6 +114,8 @@ class InferenceConfig:
     embedded_args: list[str] = field(default_factory=list)
     # the environment variable that holds the servers' API key (sent as Authorization: Bearer; never the key here)
     api_key_env: str = ""
+    # the variable holding SGLang's --admin-api-key, which then guards /update_weights_from_disk (not api_key)
+    admin_api_key_env: str = ""
 
 
 @dataclass
@@ -185,6 +187,7 @@ class LearnerConfig:
     mixed_precision: bool | None = None  # bf16 compute, fp32 masters and reduce; None: on with CUDA
     activation_checkpointing: bool = False  # GPU option
     backend: str = "auto"  # auto: gloo on CPU, "cpu:gloo,cuda:nccl" with CUDA
+    device: str = "auto"  # auto: CUDA when torch can use it, else CPU | cuda: stop at start-up without it | cpu
     # LoRA (peft) on the decoder's linear layers when lora_rank > 0: only the adapters train, the weights
     # export merged (the servers load an ordinary checkpoint). It needs a far higher lr than full fine-tuning.
     lora_rank: int = 0

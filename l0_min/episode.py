@@ -11,7 +11,7 @@ action span masked in (see `segment_rows`).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from l0_min import algo
 
@@ -76,11 +76,35 @@ class Episode:
         return sum(len(s.action_ids) for s in self.steps)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """A JSON-able dict. A step that extends its predecessor's context + action (one segment) holds only
+        the ids it adds (`context_new`): an episode's record grows with its longest context, not steps x context.
+
+        >>> s0, s1 = Step([1, 2], [3], [-0.5]), Step([1, 2, 3, 9], [4], [-0.1])
+        >>> d = Episode(Task("t", "q", []), [s0, s1]).to_json()
+        >>> d["steps"][0]["context_ids"], d["steps"][1]["context_new"], "context_ids" in d["steps"][1]
+        ([1, 2], [9], False)
+        >>> Episode.from_json(d).steps == [s0, s1]
+        True
+        """
+        d = asdict(replace(self, steps=[]))
+        for prev, s in zip([None, *self.steps], self.steps):
+            rec = {f.name: getattr(s, f.name) for f in fields(Step)}  # the lists themselves: no copy
+            n = len(prev.context_ids) + len(prev.action_ids) if prev else 0
+            if prev and s.segment == prev.segment and s.context_ids[:n] == prev.context_ids + prev.action_ids:
+                rec["context_new"] = s.context_ids[n:]
+                del rec["context_ids"]
+            d["steps"].append(rec)
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "Episode":
-        return Episode(**{**d, "task": Task(**d["task"]), "steps": [Step(**s) for s in d["steps"]]})
+        steps: list[Step] = []
+        for s in d["steps"]:
+            if "context_new" in s:  # see to_json
+                s = {**s, "context_ids": steps[-1].context_ids + steps[-1].action_ids + s["context_new"]}
+                del s["context_new"]
+            steps.append(Step(**s))
+        return Episode(**{**d, "task": Task(**d["task"]), "steps": steps})
 
 
 @dataclass

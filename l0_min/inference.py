@@ -1,7 +1,7 @@
 """The SGLang HTTP client: token ids in, sampled token ids and their log-probs out.
 
 It speaks SGLang's native API (`POST /generate`, `/update_weights_from_disk`, `/health`,
-`/get_model_info`), so the same code drives real SGLang servers on GPUs, an
+`/model_info`, or `/get_model_info` on servers older than 0.5.x), so the same code drives real SGLang servers on GPUs, an
 sglang-router, or the embedded CPU server (`python -m l0_min.serve`).
 
     client = InferenceClient(["http://127.0.0.1:30000"], cfg.inference, max_connections=64)
@@ -17,7 +17,8 @@ or stop string included) and the text decodes all of them.
 
 Routing: generation goes to `urls` (SGLang servers, or one sglang-router URL); weight updates and
 version checks go to `inference.worker_urls` (default: `urls`), since a router has no
-/update_weights_from_disk. Every request of one episode goes to the same server, so its growing
+/update_weights_from_disk. Keys: the variable `inference.api_key_env` names holds SGLang's --api-key (sent on
+every request), `inference.admin_api_key_env` its --admin-api-key (sent on /update_weights_from_disk). Every request of one episode goes to the same server, so its growing
 context stays in that server's prefix cache: the episode's first request picks the server with the
 fewest requests in flight (ties: round robin), later ones follow it (the key is `episode_key`, a
 context variable the agent sets per episode; through a router it is sent as the X-SMG-Routing-Key
@@ -103,6 +104,7 @@ class _Server:
     outstanding: int = 0
     down_since: float | None = None  # first failure of the current outage
     last_failure: float = 0.0
+    info_route: str = "/model_info"  # "/get_model_info" on a server that answers 404 to it
 
     def failed(self) -> None:
         self.last_failure = time.monotonic()
@@ -168,10 +170,12 @@ class InferenceClient:
         if max_connections < 1:
             raise ValueError(f"max_connections: expected at least 1, got {max_connections}")
         self.cfg = cfg or InferenceConfig()
-        key = os.environ.get(self.cfg.api_key_env, "") if self.cfg.api_key_env else ""
-        if self.cfg.api_key_env and not key:
-            raise ValueError(f"inference.api_key_env: the environment variable {self.cfg.api_key_env} is not set")
+        for setting in ("api_key_env", "admin_api_key_env"):  # each names an environment variable holding a key
+            if (name := getattr(self.cfg, setting)) and not os.environ.get(name):
+                raise ValueError(f"inference.{setting}: the environment variable {name} is not set")
+        key, admin = (os.environ.get(name, "") if name else "" for name in (self.cfg.api_key_env, self.cfg.admin_api_key_env))
         self._headers = {"Authorization": f"Bearer {key}"} if key else {}
+        self._admin = {"Authorization": f"Bearer {admin}"} if admin else {}  # replaces the session's header
         self.servers = _servers(urls, "inference.urls")
         self.workers = _servers(self.cfg.worker_urls, "inference.worker_urls") or self.servers
         self.max_connections = max_connections
@@ -206,7 +210,7 @@ class InferenceClient:
         async def one(server: _Server):
             route, failed = "/update_weights_from_disk", f"{server.url}: update_weights_from_disk({path}) failed"
             try:  # one POST, never re-sent: a second one would queue a second full load
-                status, body = await self._attempt(server, "POST", route, (200, 400), json=payload)
+                status, body = await self._attempt(server, "POST", route, (200, 400), json=payload, headers=self._admin)
             except _Retry as e:
                 if e.answered:  # a 5xx: the load ended, and failed
                     raise InferenceError(f"{failed}: {e}") from None
@@ -216,6 +220,9 @@ class InferenceClient:
                 if "HTTP 404" in str(e):
                     raise InferenceError(f"inference.worker_urls: {server.url} has no {route} (a router? name the "
                                          "SGLang servers themselves in inference.worker_urls)") from None
+                if "HTTP 401" in str(e) or "HTTP 403" in str(e):  # SGLang's --admin-api-key guards the route
+                    raise InferenceError(f"{e} (a server started with --admin-api-key needs that key here: "
+                                         "inference.admin_api_key_env names the variable that holds it)") from None
                 raise
             if not isinstance(body, dict) or body.get("success") is not True:
                 message = body.get("message") if isinstance(body, dict) else body
@@ -223,13 +230,23 @@ class InferenceClient:
 
         await asyncio.gather(*(one(s) for s in self.workers))
 
+    async def model_info(self, server: _Server) -> dict:
+        """GET /model_info of one server; /get_model_info where that is 404 (SGLang before its rename)."""
+        try:
+            return (await self._attempt(server, "GET", server.info_route))[1]
+        except BadRequestError as e:
+            if "HTTP 404" not in str(e) or server.info_route == "/get_model_info":
+                raise
+        server.info_route = "/get_model_info"
+        return (await self._attempt(server, "GET", server.info_route))[1]
+
     async def _confirm(self, server: _Server, version: str, path: str) -> None:
-        """Poll GET /get_model_info until the worker reports `version`, for at most inference.ready_timeout."""
+        """Poll the worker's model info until it reports `version`, for at most inference.ready_timeout."""
         t0, last = time.monotonic(), None
         while time.monotonic() - t0 < self.cfg.ready_timeout:
             await asyncio.sleep(min(5.0, 10 * self.cfg.backoff))
             try:
-                _, info = await self._attempt(server, "GET", "/get_model_info")
+                info = await self.model_info(server)
                 last = info.get("weight_version") if isinstance(info, dict) else info
                 if last == version:
                     return

@@ -26,6 +26,8 @@ import json
 import math
 import os
 import random
+import re
+import subprocess
 import time
 from pathlib import Path
 
@@ -48,13 +50,18 @@ from l0_min.episode import Row
 # -------------------------------------------------------------------------------- process group
 
 
-def init_distributed(backend: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the torchrun process group (or make a 1-rank group for plain `python`).
+def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, int, torch.device]:
+    """Join the torchrun process group (or make a 1-rank group for plain `python`) on `device` (learner.device:
+    auto = CUDA when torch can use it; cuda = RuntimeError with the reason when it cannot; cpu).
 
     With CUDA the group is device-mapped, "cpu:gloo,cuda:nccl": plain "nccl" has no CPU backend, and
     object collectives (control messages, checkpoint plans) run on CPU tensors.
     """
-    cuda = torch.cuda.is_available()
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"learner.device: expected auto, cuda or cpu, got {device!r}")
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if device == "cuda" and not cuda:
+        raise RuntimeError(cuda_missing())
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective: nccl's object collectives use the current device
@@ -76,6 +83,31 @@ def close_distributed(group=None) -> None:
     works (rank 0's last evaluation) can abort it ("terminate called without an active exception")."""
     dist.barrier(group=group)
     dist.destroy_process_group()
+
+
+def nvidia_smi() -> tuple[int, str] | None:
+    """(GPUs that nvidia-smi lists, the newest CUDA its driver supports), or None where it is absent or sees none."""
+    try:
+        out, gpus = (subprocess.run(["nvidia-smi", *a], capture_output=True, text=True, timeout=30).stdout for a in ([], ["-L"]))
+    except (OSError, subprocess.SubprocessError):
+        return None
+    cuda = re.search(r"CUDA Version:\s*([\d.]+)", out)
+    return (gpus.count("GPU "), cuda.group(1) if cuda else "?") if "GPU " in gpus else None
+
+
+def cuda_missing() -> str:
+    """Why torch cannot use CUDA here, in one line: a CPU build, no GPU seen, or a driver older than torch's CUDA."""
+    built, head = torch.version.cuda, f"learner.device=cuda but torch {torch.__version__} cannot use CUDA: "
+    if built is None:
+        return head + "it is a CPU build (on Linux, torch from PyPI is the CUDA build)"
+    if (smi := nvidia_smi()) is None:
+        return head + f"nvidia-smi finds no GPU (no driver, or none given to this container); torch is built for CUDA {built}"
+    (n, supported), vers = smi, lambda v: [int(x) for x in re.findall(r"\d+", v)]
+    if vers(supported) < vers(built):
+        return head + (f"nvidia-smi sees {n} GPU(s) but the driver supports CUDA {supported} and torch is built for CUDA "
+                       f"{built}: update the driver (CUDA 13 needs >= 580) or install a torch built for CUDA <= {supported}")
+    return head + (f"nvidia-smi sees {n} GPU(s), driver CUDA {supported}, torch built for CUDA {built}; check CUDA_VISIBLE_"
+                   f"DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')} and the container's --gpus")
 
 
 def check_gpu_free(device: torch.device, min_free: float = 0.5) -> None:
@@ -300,7 +332,9 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
     model.train(train and cfg.activation_checkpointing)  # transformers checkpoints only in training mode
     _shard(model, mixed)
     model.to_empty(device=device)  # then the broadcast lands on the device (a meta model would be loaded on CPU)
-    set_model_state_dict(model, full_sd, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    # a copy: set_model_state_dict puts the sharded tensors into the dict it is given (the KL reference's
+    # build would broadcast the policy's DTensors)
+    set_model_state_dict(model, dict(full_sd), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, b in buffers.items():  # non-persistent buffers (rotary inv_freq) are not in any state dict
         model.get_buffer(name).copy_(b)
     for m in model.modules():  # transformers 4.x: an alias of the buffer that to_empty replaced
@@ -316,7 +350,7 @@ class Learner:
 
         AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
         self.cfg, self.algo, self.temperature = cfg, algo_cfg, temperature
-        self.rank, self.world, self.device = init_distributed(cfg.backend)
+        self.rank, self.world, self.device = init_distributed(cfg.backend, cfg.device)
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         cuda = self.device.type == "cuda"
@@ -451,6 +485,8 @@ class Learner:
         sd = self.full_state_dict(getattr(torch, dtype))
         folder = Path(folder).resolve()
         if self.rank == 0:
+            if self.model.config.tie_word_embeddings:  # lm_head is embed_tokens: SGLang warns of an lm_head.weight
+                sd.pop("lm_head.weight", None)  # (transformers drops it itself only where the two share storage)
             folder.mkdir(parents=True, exist_ok=True)
             self.model.save_pretrained(folder, state_dict=sd, safe_serialization=True)
             self.model.config.dtype = dtype  # save_pretrained wrote the masters' dtype

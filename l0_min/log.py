@@ -9,10 +9,12 @@ A run folder (`RunDir`) looks like this:
       checkpoints/
       plots/rewards.png           plot_rewards(metrics.jsonl)
       viewer.html                 l0_min.viewer.write_viewer(run folder): browse the trajectories
+      viewer.json                 which trajectories files viewer.html holds (it is appended to, step by step)
 
 `batch_metrics(episodes)` turns one step's episodes into flat named numbers; `MetricsLogger` appends
 them to metrics.jsonl (and to TensorBoard / Weights & Biases when asked for and installed);
-`format_step_row` is the one-line-per-step table that train.py prints under `STEP_HEADER`.
+`format_step_row` is the one-line-per-step table that train.py prints under `step_header`. `log_step` is
+rank 0's whole per-step record in train.py; its cost is the step's, not the run's (bench/step_logging.py).
 """
 
 from __future__ import annotations
@@ -323,6 +325,20 @@ class MetricsLogger:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episodes: list[Episode],
+             viewer_max_per_step: int | None = None, table: tuple = ((), {})) -> None:
+    """Rank 0's record of one RL step (train.py): its metrics, its trajectories file, its row of the table
+    (`table`: the training environments' names and the environments, as for `step_header`), the plot and
+    the viewer (appended to: l0_min.viewer)."""
+    from l0_min.viewer import write_viewer
+
+    logger.log(step, metrics)
+    run.write_trajectories(step, episodes)
+    print(format_step_row(step, metrics, *table), flush=True)
+    plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
+    write_viewer(run.path, run.viewer_html, viewer_max_per_step or None)
 
 
 # ----------------------------------------------------------------------------------------- plot

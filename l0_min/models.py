@@ -147,11 +147,11 @@ def save_random_llama(folder: str | Path, tokenizer, *, hidden: int = 64, layers
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = {"max_position_embeddings": 4096, "initializer_range": 0.5, "bos_token_id": None, **config}
+    config = {"max_position_embeddings": 4096, "initializer_range": 0.5, "bos_token_id": None, "tie_word_embeddings": False,
+              **config}
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=kv_heads,
-                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                         tie_word_embeddings=False, **config)
+                         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **config)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
@@ -181,7 +181,13 @@ def _convert_smollm2(out: Path) -> None:
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     _special_tokens_from_gguf(tok, gguf)
     tok.chat_template = tok.chat_template or CHATML_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:  # transformers 5 keeps GGUF weights in their blocks (and will not save them) unless told to unpack them
+        from transformers import GgufConfig
+
+        unpack = {"quantization_config": GgufConfig(dequantize=True)}
+    except ImportError:  # 4.x always unpacks
+        unpack = {}
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32, **unpack)
     model.generation_config.eos_token_id = tok.eos_token_id
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -4,7 +4,11 @@
     python -m l0_min.viewer a.jsonl b.jsonl --out view.html
 
 Episodes come from trajectories/*.jsonl (one Episode.to_json() per line), grouped by file (one RL
-step each). Every piece of trajectory text is HTML-escaped on the Python side and the page's own
+step each). For a run folder the page grows: a call renders only the files that are new since the last
+one (`viewer.json` beside the page records them) and writes them over the page's closing script, so
+train.py's call after every step costs that step's episodes, not the whole run's; a file that changed
+(a resumed run rewrote it) rebuilds the page. The filter bar is built by the page's script from the
+episodes it holds. Every piece of trajectory text is HTML-escaped on the Python side and the page's own
 script only toggles `hidden` and `open`: nothing an agent printed is ever parsed as markup or run.
 The page loads no network resources. Filters live in the URL hash, so a view can be linked:
 
@@ -17,12 +21,12 @@ import argparse
 import base64
 import hashlib
 import json
+import os
 import re
 from html import escape
 from pathlib import Path
 
 from l0_min.episode import STATUSES
-from l0_min.log import read_jsonl
 
 
 def _e(x) -> str:
@@ -128,6 +132,16 @@ def _phase(name: str) -> str:
     return PHASES.get(name.rsplit("_", 1)[0], "other")
 
 
+def _head(path: Path, limit: int | None) -> tuple[list[dict], int]:
+    """The first `limit` records of a trajectories file (None: all), and how many it holds (the others are
+    counted, not parsed). A last line cut short by a kill is left out, as log.read_jsonl does."""
+    lines = [x for x in Path(path).read_text(encoding="utf-8", errors="replace").split("\n")[:-1] if x.strip()]
+    try:
+        return [json.loads(x) for x in lines[:limit]], len(lines)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON: {e}") from None
+
+
 def _group_html(name: str, eps: list[dict], total: int) -> str:
     train = [e for e in eps if not e.get("masked")]  # the means are over the episodes that train
     head = (f"<h2>{_e(name)} <small>{_e(_phase(name))}</small></h2><span>{total} episodes" + (f" (first {len(eps)} shown)" if len(eps) < total else "")
@@ -135,7 +149,8 @@ def _group_html(name: str, eps: list[dict], total: int) -> str:
             + f" · EM {_mean([(e.get('rewards') or {}).get('em') for e in train])}"
             + f" · answered {sum(e.get('status') == 'answered' for e in eps)}/{len(eps)}</span>")
     body = "".join(_episode_html(ep, name) for ep in eps)
-    return f'<section class="group" data-step="{_e(name)}"><div class="ghead">{head}</div>{body}</section>'
+    return (f'<section class="group" data-step="{_e(name)}" data-phase="{_e(_phase(name))}" data-total="{total}">'
+            f'<div class="ghead">{head}</div>{body}</section>')
 
 
 def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = None, title: str | None = None) -> Path:
@@ -144,48 +159,58 @@ def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = 
     src: a run folder (its trajectories/*.jsonl), a folder of .jsonl files, one .jsonl file, or a
     list of them. max_episodes_per_step keeps the first N episodes of each file (whole groups come
     first, as collected), to keep the page small for large batches (train.py passes
-    cfg.log.viewer_max_per_step); None or 0 keeps all.
+    cfg.log.viewer_max_per_step); None or 0 keeps all. For one folder, only files new since the last
+    call are read and appended (see the module docstring).
     """
-    files = _jsonl_files(src)
-    groups = [(f.stem, eps[:max_episodes_per_step or None], len(eps)) for f in files for eps in [read_jsonl(f)]]
-    shown = [str(ep.get("status", "")) for _, eps, _ in groups for ep in eps]
-    statuses = [s for s in STATUSES if s in shown] + sorted(set(shown) - set(STATUSES))
-    boxes = "".join(f'<label class="badge s-{_e(s)}"><input type="checkbox" name="status" value="{_e(s)}" checked> '
-                    f"{_e(s)} ({shown.count(s)})</label>" for s in statuses)
-    options = '<option value="">all steps</option>' + "".join(  # SFT, RL and evaluation files apart
-        f'<optgroup label="{_e(phase)}">' + "".join(f'<option value="{_e(n)}">{_e(n)} ({t})</option>'
-                                                   for n, _, t in groups if _phase(n) == phase) + "</optgroup>"
-        for phase in [*PHASES.values(), "other"] if any(_phase(n) == phase for n, _, _ in groups))
-    one = isinstance(src, (str, Path))
-    plot = ""
-    if one and (png := Path(src) / "plots" / "rewards.png").is_file():
-        data = base64.b64encode(png.read_bytes()).decode()
-        plot = f'<details class="plot"><summary>reward curves</summary><img alt="rewards" src="data:image/png;base64,{data}"></details>'
-    body = "".join(_group_html(*g) for g in groups) or '<p class="dim">no trajectories found</p>'
-    page = _PAGE.format(title=_e(title or (Path(src).name if one else f"{len(files)} files")), n_eps=len(shown),
-                        n_steps=len(groups), boxes=boxes, options=options, plot=plot, body=body, css=_CSS, js=_JS,
-                        script_hash=_SCRIPT_HASH)
-    out_html = Path(out_html)
+    files, out_html, limit = _jsonl_files(src), Path(out_html), max_episodes_per_step or None
+    folder = Path(src) if isinstance(src, (str, Path)) and Path(src).is_dir() else None  # its page grows
+    title = title or (Path(src).name if isinstance(src, (str, Path)) else f"{len(files)} files")
+    stamps = {f.name: [(st := f.stat()).st_size, st.st_mtime_ns] for f in files}
+    state_file, key = out_html.with_suffix(".json"), {"title": title, "max_per_step": limit}
+    done = _appendable(out_html, state_file, key, stamps) if folder else None
+    groups = "".join(_group_html(f.stem, *_head(f, limit)) for f in files if done is None or f.name not in done)
     out_html.parent.mkdir(parents=True, exist_ok=True)
-    out_html.write_text(page, encoding="utf-8", errors="replace")  # lone surrogates from bad UTF-8 -> '?'
+    with open(out_html, "wb" if done is None else "r+b") as page:
+        if done is None:
+            png = folder / "plots" / "rewards.png" if folder else None  # linked: the plot changes every step
+            plot = (f'<p class="dim"><a href="{_e(os.path.relpath(png, out_html.parent))}">reward curves</a></p>'
+                    if png and png.is_file() else "")
+            page.write(_PAGE.format(title=_e(title), plot=plot, css=_CSS, script_hash=_SCRIPT_HASH).encode())
+        else:
+            page.seek(-len(_END_BYTES), 2)
+            page.truncate()
+        page.write((groups + _END).encode("utf-8", errors="replace"))  # lone surrogates from bad UTF-8 -> '?'
+    if folder:
+        state_file.write_text(json.dumps({"key": key, "files": stamps}))
     return out_html
 
 
+def _appendable(out_html: Path, state_file: Path, key: dict, stamps: dict) -> set | None:
+    """The files the page shows, if new ones can be appended: it ends as this module writes pages, with the
+    same title and limit, and none of its files changed since. Else None (build it anew)."""
+    try:
+        state = json.loads(state_file.read_text())
+        with open(out_html, "rb") as page:
+            page.seek(-len(_END_BYTES), 2)
+            same = page.read() == _END_BYTES and state["key"] == key
+        return set(state["files"]) if same and all(stamps.get(n) == v for n, v in state["files"].items()) else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+# The page: its head and filter bar (filled by the script), then one <section> per trajectories file, then _END.
 _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<meta http-equiv="Content-Security-Policy" content="default-src 'none'; img-src data:; style-src 'unsafe-inline'; script-src '{script_hash}'">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src '{script_hash}'">
 <title>{title} · trajectories</title><style>{css}</style></head>
 <body>
-<header><h1>{title} <small>{n_eps} episodes · {n_steps} steps</small></h1>
-<div class="bar"><span class="lbl2">status</span>{boxes}
-<span class="lbl2">step</span><select id="step">{options}</select>
+<header><h1>{title} <small id="counts"></small></h1>
+<div class="bar"><span class="lbl2">status</span><span id="boxes"></span>
+<span class="lbl2">step</span><select id="step"><option value="">all steps</option></select>
 <button id="open">expand all</button><button id="close">collapse all</button>
 <span id="shown" class="dim"></span></div></header>
-<main>{plot}{body}</main>
-<script>{js}</script>
-</body></html>
-"""
+<main>{plot}"""
 
 _CSS = """
 :root { --bg:#f6f7f9; --card:#fff; --line:#dde1e6; --dim:#6b7280; --ok:#15803d; --bad:#b91c1c; }
@@ -229,15 +254,34 @@ pre { margin:0; padding:5px 8px; border-radius:4px; white-space:pre-wrap; word-b
 .code pre { background:#1f2937; color:#e5e7eb; } .out pre { background:#fffbeb; border:1px solid #fde68a; }
 .raw { margin:3px 0 3px 5em; font-size:12px; color:var(--dim); } .raw pre { background:#f3f4f6; color:#111827; }
 pre.err { background:#fef2f2; color:var(--bad); }
-.dim { color:var(--dim); } .plot img { max-width:100%; } .plot summary { cursor:pointer; color:var(--dim); }
+.dim { color:var(--dim); }
 """
 
 _JS = """
 (function () {
   "use strict";
   const all = sel => Array.from(document.querySelectorAll(sel));
-  const eps = all(".ep"), groups = all(".group"), boxes = all('input[name="status"]');
-  const stepSel = document.getElementById("step"), shown = document.getElementById("shown");
+  const eps = all(".ep"), groups = all(".group"), stepSel = document.getElementById("step");
+  const shown = document.getElementById("shown"), el = (tag, props) => Object.assign(document.createElement(tag), props);
+
+  // the filter bar, from the episodes on the page: a box per status (known ones first), an option per file
+  const count = new Map();
+  eps.forEach(e => count.set(e.dataset.status, (count.get(e.dataset.status) || 0) + 1));
+  const known = STATUSES.filter(s => count.has(s)), other = Array.from(count.keys()).filter(s => !STATUSES.includes(s)).sort();
+  known.concat(other).forEach(s => {
+    const label = el("label", {className: "badge s-" + s});
+    label.append(el("input", {type: "checkbox", name: "status", value: s, checked: true}), " " + s + " (" + count.get(s) + ")");
+    document.getElementById("boxes").append(label, " ");
+  });
+  PHASES.concat(["other"]).forEach(phase => {
+    const mine = groups.filter(g => g.dataset.phase === phase);
+    if (!mine.length) return;
+    const og = el("optgroup", {label: phase});
+    mine.forEach(g => og.append(el("option", {value: g.dataset.step, textContent: g.dataset.step + " (" + g.dataset.total + ")"})));
+    stepSel.append(og);
+  });
+  document.getElementById("counts").textContent = eps.length + " episodes · " + groups.length + " steps";
+  const boxes = all('input[name="status"]');
 
   function readHash() {  // #status=answered,timeout&step=step_00002&open=all
     const p = new URLSearchParams(location.hash.slice(1));
@@ -262,18 +306,20 @@ _JS = """
     groups.forEach(g => { g.hidden = !g.querySelector(".ep:not([hidden])"); });
     shown.textContent = eps.filter(e => !e.hidden).length + " of " + eps.length + " shown";
   }
-  boxes.concat([stepSel]).forEach(el => el.addEventListener("change", () => { apply(); writeHash(); }));
+  boxes.concat([stepSel]).forEach(x => x.addEventListener("change", () => { apply(); writeHash(); }));
   document.getElementById("open").onclick = () => eps.forEach(e => { if (!e.hidden) e.open = true; });
   document.getElementById("close").onclick = () => eps.forEach(e => { e.open = false; });
   window.addEventListener("hashchange", () => { readHash(); apply(); });
   readHash();
   apply();
 })();
-"""
+""".replace("STATUSES", json.dumps(list(STATUSES))).replace("PHASES", json.dumps(list(PHASES.values())))
 
 # Defence in depth: the page's Content-Security-Policy lets only this exact script run, so even a
 # bug in escaping could not execute a script (or an onerror= handler) an agent printed.
 _SCRIPT_HASH = "sha256-" + base64.b64encode(hashlib.sha256(_JS.encode()).digest()).decode()
+_END = f"</main>\n<script>{_JS}</script>\n</body></html>\n"  # a page ends so; new files are written over it
+_END_BYTES = _END.encode()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@ weight updates; then the same client against the embedded server over real HTTP.
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import time
@@ -328,8 +329,10 @@ async def test_wait_ready_gives_up_at_the_deadline_or_on_a_wrong_answer():
 # a router for generation, weight updates to the workers, sticky episodes
 
 
-def _worker(version: list[str], delay: float = 0.0, success: bool = True):
-    """Routes of a fake SGLang worker: an update takes `delay` s, then sets version[0]."""
+def _worker(version: list[str], delay: float = 0.0, success: bool = True,
+            info_routes=("/model_info", "/get_model_info")):
+    """Routes of a fake SGLang worker: an update takes `delay` s, then sets version[0]. SGLang 0.5.23 serves
+    /model_info and, deprecated, /get_model_info (http_server.py: get_model_info); older ones only the latter."""
 
     async def update(request, log):
         await asyncio.sleep(delay)
@@ -342,8 +345,8 @@ def _worker(version: list[str], delay: float = 0.0, success: bool = True):
     async def info(request, log):
         return web.json_response({"model_path": "m", "weight_version": version[0]})
 
-    return {("POST", "/update_weights_from_disk"): update, ("GET", "/get_model_info"): info,
-            ("GET", "/health"): answer({})}  # fmt: skip
+    return {("POST", "/update_weights_from_disk"): update, ("GET", "/health"): answer({})} | {
+        ("GET", route): info for route in info_routes}
 
 
 async def test_generation_through_a_router_and_weight_updates_to_the_workers():
@@ -367,13 +370,13 @@ async def test_generation_through_a_router_and_weight_updates_to_the_workers():
 
 
 async def test_weight_update_is_sent_once_then_its_version_polled():
-    """The load outlives the request timeout: the client polls /get_model_info instead of re-sending."""
+    """The load outlives the request timeout: the client polls /model_info instead of re-sending."""
     version = ["default"]
     async with fake_sglang(_worker(version, delay=1.0)) as (url, log):
         async with InferenceClient([url], InferenceConfig(timeout=0.3, backoff=0.01, ready_timeout=5.0)) as client:
             await client.update_weights_from_disk("/w/step_2", "2")
         assert [p for p, _ in log].count("/update_weights_from_disk") == 1
-        assert log[-1][0] == "/get_model_info" and version == ["2"]
+        assert log[-1][0] == "/model_info" and version == ["2"]
         async with InferenceClient([url], InferenceConfig(timeout=0.3, backoff=0.01, ready_timeout=0.5)) as client:
             with pytest.raises(InferenceError, match="weights /w/step_3 not confirmed after .*weight_version is 2"):
                 await client.update_weights_from_disk("/w/step_3", "3")  # still loading at the deadline
@@ -384,6 +387,56 @@ async def test_weight_update_is_sent_once_then_its_version_polled():
         with pytest.raises(InferenceError, match="not confirmed .*ClientConnectorError"):
             await client.update_weights_from_disk("/w/step_4", "4")
     assert time.monotonic() - t0 < 5
+
+
+async def test_model_info_falls_back_to_get_model_info_on_older_servers():
+    version = ["default"]
+    async with fake_sglang(_worker(version, delay=0.5, info_routes=("/get_model_info",))) as (url, log):
+        async with InferenceClient([url], InferenceConfig(timeout=0.2, backoff=0.01, ready_timeout=5.0)) as client:
+            assert (await client.model_info(client.workers[0]))["weight_version"] == "default"
+            await client.update_weights_from_disk("/w/step_2", "2")  # the answer is lost: polled
+            assert client.workers[0].info_route == "/get_model_info"  # the 404 is paid once
+        assert version == ["2"] and [p for p, _ in log].count("/get_model_info") >= 2
+
+
+def _guarded(routes: dict, api_key: str, admin_api_key: str) -> dict:
+    """`routes` behind SGLang 0.5.23's key check (utils/auth.py, decide_request_auth): /health* open;
+    /update_weights_from_disk is ADMIN_OPTIONAL (http_server.py), so with an admin key only that key opens it;
+    every other route (NORMAL) needs the API key, which the admin key does not replace."""
+
+    def check(path, handler):
+        async def h(request, log):
+            want = admin_api_key if path == "/update_weights_from_disk" else api_key
+            if not path.startswith("/health") and request.headers.get("Authorization") != f"Bearer {want}":
+                return web.json_response({"error": "Unauthorized"}, status=401)
+            return await handler(request, log)
+
+        return h
+
+    return {(m, path): check(path, handler) for (m, path), handler in routes.items()}
+
+
+async def test_admin_key_opens_weight_updates_and_the_api_key_the_rest(monkeypatch):
+    version = ["default"]
+    routes = _guarded(_worker(version) | {("POST", "/generate"): answer(fixture("generate_response.json"))},
+                      api_key="user-key", admin_api_key="admin-key")
+    monkeypatch.setenv("L0_TEST_KEY", "user-key")
+    monkeypatch.setenv("L0_TEST_ADMIN_KEY", "admin-key")
+    both = InferenceConfig(timeout=5.0, api_key_env="L0_TEST_KEY", admin_api_key_env="L0_TEST_ADMIN_KEY")
+    async with fake_sglang(routes) as (url, log):
+        async with InferenceClient([url], both) as client:
+            await client.wait_ready()
+            await client.generate([1, 2], {})
+            await client.update_weights_from_disk("/w/step_1", "1")
+            assert (await client.model_info(client.workers[0]))["weight_version"] == "1"
+        async with InferenceClient([url], dataclasses.replace(both, admin_api_key_env="")) as client:
+            await client.generate([1, 2], {})  # the API key alone still generates, but cannot update
+            with pytest.raises(InferenceError, match="HTTP 401.*inference.admin_api_key_env"):
+                await client.update_weights_from_disk("/w/step_2", "2")
+    assert version == ["1"]
+    monkeypatch.delenv("L0_TEST_ADMIN_KEY")
+    with pytest.raises(ValueError, match="inference.admin_api_key_env: the environment variable L0_TEST_ADMIN_KEY"):
+        InferenceClient(["http://127.0.0.1:1"], both)
 
 
 async def test_sync_weights_keeps_the_previous_folder_until_every_worker_confirmed(tmp_path, monkeypatch):

@@ -67,6 +67,12 @@ def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     assert lora["max_logit_diff_vs_plain_peft"] < 1e-4 and lora["keys_as_base"] and lora["base_changed"] > 0
 
 
+def test_kl_reference_on_2_ranks_and_a_tied_model_exports_its_embedding_once(report):
+    tied = report["tied"]  # issue 24: both builds once shared rank 0's dict, and the reference's build crashed
+    assert tied["kl"][0] == 0.0 and tied["kl"][1] > 0  # the reference is the step-0 policy; step 2 left it
+    assert tied["keys"] == ["model.embed_tokens.weight"]
+
+
 @pytest.mark.slow
 def test_resume_reproduces_the_next_step(report):
     assert report["resume_extra"] == {"data_position": 1}
@@ -179,3 +185,43 @@ def test_a_gpu_already_in_use_stops_start_up_with_one_line(monkeypatch):
         check_gpu_free(torch.device("cuda", 3))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (79 * 2**30, 80 * 2**30))
     check_gpu_free(torch.device("cuda", 3))
+
+
+def test_learner_device_cuda_without_cuda_stops_with_the_reason(monkeypatch):
+    """learner.device=cuda where torch cannot use CUDA: one line with the cause (detection mocked here: torch's
+    CUDA build and what nvidia-smi reports). `auto` would fall back to CPU; a bad value names the field."""
+    import subprocess
+
+    import torch
+
+    from l0_min import learner
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+    def smi(out: str, gpus: str):
+        def run(argv, **kw):
+            return subprocess.CompletedProcess(argv, 0, gpus if argv[1:] == ["-L"] else out, "")
+
+        return run
+
+    def reason() -> str:
+        with pytest.raises(RuntimeError) as e:
+            learner.init_distributed(device="cuda")
+        return str(e.value)
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(learner.subprocess, "run", smi("| Driver Version: 550.54.15   CUDA Version: 12.4 |", "GPU 0: H100\nGPU 1: H100\n"))
+    assert learner.nvidia_smi() == (2, "12.4")
+    assert "sees 2 GPU(s) but the driver supports CUDA 12.4 and torch is built for CUDA 13.0: update the driver" in reason()
+    monkeypatch.setattr(learner.subprocess, "run", smi("| CUDA Version: 13.0 |", "GPU 0: H100\n"))
+    assert "driver CUDA 13.0, torch built for CUDA 13.0; check CUDA_VISIBLE_DEVICES" in reason()
+
+    def missing(argv, **kw):
+        raise FileNotFoundError(argv[0])
+
+    monkeypatch.setattr(learner.subprocess, "run", missing)
+    assert learner.nvidia_smi() is None and "nvidia-smi finds no GPU" in reason()
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert "it is a CPU build" in reason()
+    with pytest.raises(ValueError, match="learner.device: expected auto, cuda or cpu, got 'gpu'"):
+        learner.init_distributed(device="gpu")

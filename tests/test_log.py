@@ -84,6 +84,26 @@ def test_run_dir_layout_and_trajectory_round_trip(tmp_path):
         RunDir(tmp_path / "file")
 
 
+def test_a_step_record_is_bounded_by_its_own_tokens_and_reads_back_whole(tmp_path):
+    """Issue 24: every step once wrote its whole context, so an episode of k steps wrote ~k^2/2 turns of ids.
+    Now a step that extends its predecessor writes only its new ids: 12 turns of 100 ids (a 50-id action
+    and a 50-id observation each), a context rebuild after turn 8 (segment 1 starts from a fresh 30 ids)."""
+    steps, ctx = [], list(range(30))
+    for i in range(12):
+        if i == 8:
+            ctx = list(range(500, 530))  # the rebuilt context of segment 1: written in full
+        action = [1000 + i] * 50
+        steps.append(Step(list(ctx), action, [-0.5] * 50, segment=int(i >= 8)))
+        ctx = ctx + action + [2000 + i] * 50
+    ep = Episode(Task("t", "q", ["a"]), steps)
+    d = ep.to_json()
+    written = sum(len(r.get("context_ids", [])) + len(r.get("context_new", [])) for r in d["steps"])
+    assert written == 30 + 7 * 50 + 30 + 3 * 50  # the two segment starts whole, then each turn's observation
+    assert sum(len(s.context_ids) for s in steps) == 8 * 30 + 100 * sum(range(8)) + 4 * 30 + 100 * sum(range(4))
+    path = RunDir(tmp_path / "r").write_trajectories(1, [ep])
+    assert read_episodes(path) == [ep]
+
+
 def test_metrics_jsonl_round_trip(tmp_path):
     torch = pytest.importorskip("torch")
     rd = RunDir(tmp_path)

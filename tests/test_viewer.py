@@ -168,8 +168,11 @@ def test_browser_filters_from_url_hash(run_dir, tmp_path):
     assert "2 of 5 shown" in dom
     dom = chromium(tmp_path, url + "#status=answered,timeout,env_error&step=step_00002", "--dump-dom")
     assert shown_eps(dom) == ["answered", "timeout"]
-    groups = re.findall(r'<section class="group" data-step="(step_\d+)"( hidden="")?', dom)
+    groups = re.findall(r'<section class="group" data-step="(step_\d+)"[^>]*?( hidden="")?>', dom)
     assert groups == [("step_00001", ' hidden=""'), ("step_00002", "")]  # a group with nothing shown hides
+    # the filter bar the page's script built from its episodes: a box per status, an option per file
+    assert re.findall(r'<input type="checkbox" name="status" value="(\w+)"', dom) == ["answered", "max_steps", "timeout", "env_error"]
+    assert '<optgroup label="RL"><option value="step_00001">step_00001 (3)</option><option value="step_00002">' in dom
 
 
 @pytest.mark.slow
@@ -214,7 +217,32 @@ def test_sft_rl_and_evaluation_episodes_are_shown_apart(tmp_path):
     for prefix in ("sft", "step", "eval", "eval-greedy"):
         rd.write_trajectories(3, episodes_step1(), prefix=prefix)
     page = write_viewer(rd.path, tmp_path / "v.html").read_text()
-    groups = re.findall(r'<optgroup label="([^"]+)">(.*?)</optgroup>', page)
-    assert [g for g, _ in groups] == ["SFT: expert episodes", "RL", "held-out, sampled", "held-out, greedy"]
-    assert all(len(re.findall("<option", body)) == 1 for _, body in groups)
+    phases = re.findall(r'<section class="group" data-step="([^"]+)" data-phase="([^"]+)" data-total="3">', page)
+    assert phases == [("eval-greedy_00003", "held-out, greedy"), ("eval_00003", "held-out, sampled"),
+                      ("sft_00003", "SFT: expert episodes"), ("step_00003", "RL")]  # the page's script groups them
     assert "<h2>sft_00003 <small>SFT: expert episodes</small></h2>" in page
+
+
+def test_a_run_folder_page_grows_by_the_new_files_only(tmp_path):
+    """Issue 24: train.py writes the viewer after every step; the page is appended to, not rebuilt from every
+    trajectories file. The grown page equals a fresh build of the same files; a file that changed rebuilds it."""
+    import os
+
+    from l0_min.viewer import _END_BYTES
+
+    rd, fresh = RunDir(tmp_path / "a" / "run"), RunDir(tmp_path / "b" / "run")
+    for r in (rd, fresh):
+        r.write_trajectories(1, episodes_step1())
+    write_viewer(rd.path, rd.viewer_html)
+    first = rd.viewer_html.read_bytes()
+    f1 = rd.trajectory_path(1)  # step 1's file becomes garbage of the same size and time: a read would fail
+    stat = f1.stat()
+    f1.write_bytes(b"x" * (stat.st_size - 1) + b"\n")
+    os.utime(f1, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    for r in (rd, fresh):
+        r.write_trajectories(2, episodes_step2())
+    grown = write_viewer(rd.path, rd.viewer_html).read_bytes()
+    assert grown.startswith(first[: -len(_END_BYTES)]) and grown == write_viewer(fresh.path, fresh.viewer_html).read_bytes()
+    rd.write_trajectories(2, episodes_step2()[:1])  # a resumed run rewrote step 2: the page is built again
+    with pytest.raises(ValueError, match="step_00001.jsonl: not JSON"):
+        write_viewer(rd.path, rd.viewer_html)

@@ -8,7 +8,8 @@ Endpoints (the subset of SGLang's `http_server.py` that l0_min uses, same JSON):
     POST /update_weights_from_disk  {model_path, weight_version, flush_cache, abort_all_requests, ...}
     GET  /health                    200 once the model is loaded and the engine runs, else 503
     GET  /health_generate           200 if a one-token generation goes through within 20 s
-    GET  /get_model_info            {model_path, tokenizer_path, is_generation, weight_version, ...}
+    GET  /model_info                {model_path, tokenizer_path, is_generation, weight_version, ...}
+    GET  /get_model_info            the same (its name before SGLang 0.5.x)
     GET  /get_weight_version        {weight_version}
     GET|POST /flush_cache           200, or 400 while requests are in flight (as SGLang)
 
@@ -412,7 +413,8 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
 
     app = web.Application(middlewares=[check_api_key, errors], client_max_size=256 * 1024 * 1024)
     app.add_routes([web.post("/generate", generate), web.put("/generate", generate), web.get("/health", health),
-                    web.get("/health_generate", health_generate), web.get("/get_model_info", get_model_info),
+                    web.get("/health_generate", health_generate), web.get("/model_info", get_model_info),
+                    web.get("/get_model_info", get_model_info),
                     web.get("/get_weight_version", get_weight_version),
                     web.get("/flush_cache", flush_cache, allow_head=False), web.post("/flush_cache", flush_cache),
                     web.post("/update_weights_from_disk", update_weights_from_disk)])

@@ -167,5 +167,22 @@ if rank == 0:
                       "loss": s4["loss"], "loss_ref": loss, "max_logit_diff_vs_plain_peft": same,
                       "keys_as_base": sorted(back.state_dict()) == sorted(base),
                       "base_changed": sum(not torch.equal(back.state_dict()[k], base[k]) for k in base)}
+
+# 6. a tied-embedding model with the KL reference on 2 ranks (each build gets its own copy of rank 0's state
+#    dict); the export holds embed_tokens once (no lm_head.weight), and two steps move the policy off the reference
+cfg.learner.lora_rank, cfg.learner.lr, cfg.algo.kl_coef = 0, 1e-2, 0.5
+if rank == 0:
+    from l0_min.models import save_random_llama
+
+    save_random_llama(tmp / "tied", AutoTokenizer.from_pretrained(folder), tie_word_embeddings=True, layers=1)
+dist.barrier()
+tied = Learner(tmp / "tied", cfg.learner, cfg.algo, total_steps=3)
+kl = [tied.train_step(shard_rows(batch(4), rank, world))["kl"] for _ in range(2)]
+tied_export = tied.export_hf(tmp / "export_tied")
+if rank == 0:
+    from safetensors import safe_open
+
+    with safe_open(str(tied_export / "model.safetensors"), "pt") as f:
+        report["tied"] = {"keys": [k for k in f.keys() if "embed" in k or "lm_head" in k], "kl": kl}
     out.write_text(json.dumps(report, indent=1))
 close_distributed()
