@@ -854,7 +854,7 @@ async def test_8_a_lone_surrogate_answer_is_scored_and_every_run_folder_writer_k
     env = Services(episode_config(), None, Kernels(await started(1, tools)), tools, TOK, {"qa": QA(Config())})
     async with host_health(tools, "8 submit_final_answer(chr(0xD800)), printed surrogates"):
         ep = await scored(env, "surrogate", "print(chr(0xDFFF) + 'x', 'ok')\nsubmit_final_answer(chr(0xD800))")
-    assert ep.status == ANSWERED and ep.final_answer == "\ud800" and ep.rewards["answer"] == 0.0
+    assert ep.status == ANSWERED and ep.final_answer == "\ud800" and ep.rewards["core"] == 0.0
     run = RunDir(tmp_path / "run")
     run.write_trajectories(1, [ep])  # train.py's writer (rollout.py and evaluate.py use the same write_jsonl)
     assert read_episodes(run.trajectory_path(1))[0].final_answer == "\ud800"  # the agent's str, read back as sent
