@@ -352,11 +352,63 @@ def todays_head(head, h: torch.Tensor) -> torch.Tensor:
                                  use_reentrant=False)[None, :, None] for a in range(0, len(h), 2048)], dim=1)  # fmt: skip
 
 
-def mfu() -> None:
-    from dataclasses import replace
+def random_model(config):
+    """Random weights (transformers' init), built on the device (seconds at 3B); seeded: the same for every row."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def measure(tag, folder, c, config, rows, budget, matmul, todays: bool) -> dict:
+    """One row: build the learner, micro-batch 0's log-probs (forward + backward: compile warm-up), one warm-up
+    step, two timed steps."""
     from types import MethodType
 
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    cuda, total = device.type == "cuda", sum(len(r) for r in rows)
+    t0, left = time.perf_counter(), torch.cuda.memory_allocated() / 2**30 if cuda else 0.0  # the last row's: ~0
+    learner = Learner(folder, c, Config().algo, total_steps=10, weights=random_model(config))
+    if todays:
+        learner.model.lm_head.forward = MethodType(todays_head, learner.model.lm_head)
+        learner.opt = torch.optim.AdamW(learner.params, lr=c.lr, betas=tuple(c.betas), foreach=True)
+        learner.sched = torch.optim.lr_scheduler.LambdaLR(learner.opt, lambda step: 1.0)
+    n_params = sum(p.numel() for p in learner.model.parameters())
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    log(f"[{time.perf_counter() - T_START:6.1f} s] {tag}: built ({n_params / 1e9:.2f} B parameters, "
+        f"{time.perf_counter() - t0:.1f} s; {left:.1f} GiB were still allocated before)")  # fmt: skip
+    b = _concat(pack_rows(rows, budget)[0], device)
+    t0 = time.perf_counter()
+    lp = token_logprobs(learner.model, b["ids"], b["pos"], b["mask"] > 0)
+    (lp.sum() * 0).backward()
+    lp = lp.detach().float().cpu()[b["mask"].cpu() > 0]
+    sync()
+    t1 = time.perf_counter()
+    first = learner.train_step(rows)
+    sync()
+    t2 = time.perf_counter()
+    log(f"[{t2 - T_START:6.1f} s] {tag}: log-probs of micro-batch 0 {t1 - t0:.1f} s, warm-up step {t2 - t1:.1f} s")
+    secs = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        learner.train_step(rows)
+        sync()
+        secs.append(time.perf_counter() - t0)
+    step, flops = statistics.mean(secs), step_flops(config, n_params, rows)
+    mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    log(f"[{time.perf_counter() - T_START:6.1f} s] {tag}: steps {' '.join(f'{x:.2f}' for x in secs)} s, "
+        f"{total / step:,.0f} tokens/s, MFU {flops / step / PEAK:.1%}, peak {mem:.1f} GiB")
+    return dict(tok_s=total / step, mfu=flops / step / PEAK, of_matmul=flops / step / matmul, mem=mem, step=step,
+                loss=first["loss"], grad_norm=first["grad_norm"], lp=lp)  # fmt: skip
+
+
+def mfu() -> None:
+    from dataclasses import replace
+
+    from transformers import Qwen2Config
 
     from bench.toy import make_toy_tokenizer
 
@@ -395,55 +447,15 @@ def mfu() -> None:
         config.save_pretrained(folder)
         make_toy_tokenizer().save_pretrained(folder)  # the learner's tokenizer; the rows are ids already
 
-        def weights():  # random, built on the device (seconds at 3B), the same for both rows
-            torch.manual_seed(args.seed)
-            with torch.device(device):
-                return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
         res = {}
         for name, c in variants.items():
             if time.perf_counter() - T_START > args.budget_s:
                 log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: skipped (--budget-s {args.budget_s:.0f})")
                 continue
-            t0 = time.perf_counter()
-            learner = Learner(folder, c, Config().algo, total_steps=10, weights=weights())
-            if name == "before":
-                learner.model.lm_head.forward = MethodType(todays_head, learner.model.lm_head)
-                learner.opt = torch.optim.AdamW(learner.params, lr=c.lr, betas=tuple(c.betas), foreach=True)
-                learner.sched = torch.optim.lr_scheduler.LambdaLR(learner.opt, lambda step: 1.0)
-            n_params = sum(p.numel() for p in learner.model.parameters())
-            gc.collect()
-            if cuda:
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats()
-            log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: built ({n_params / 1e9:.2f} B parameters, "
-                f"{time.perf_counter() - t0:.1f} s)")  # fmt: skip
-            # micro-batch 0's log-probs for the check; the backward also compiles the backward graph
-            b = _concat(pack_rows(rows, budget)[0], device)
-            t0 = time.perf_counter()
-            lp = token_logprobs(learner.model, b["ids"], b["pos"], b["mask"] > 0)
-            (lp.sum() * 0).backward()
-            lp = lp.detach().float().cpu()[b["mask"].cpu() > 0]
-            sync()
-            t1 = time.perf_counter()
-            first = learner.train_step(rows)
-            sync()
-            t2 = time.perf_counter()
-            log(f"[{t2 - T_START:6.1f} s] {shape} {name}: log-probs of micro-batch 0 {t1 - t0:.1f} s, warm-up step {t2 - t1:.1f} s")
-            secs = []
-            for _ in range(2):
-                t0 = time.perf_counter()
-                learner.train_step(rows)
-                sync()
-                secs.append(time.perf_counter() - t0)
-            step = statistics.mean(secs)
-            flops = step_flops(config, n_params, rows)
-            peak_mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
-            res[name] = dict(tok_s=total / step, mfu=flops / step / PEAK, of_matmul=flops / step / matmul, mem=peak_mem,
-                             step=step, loss=first["loss"], grad_norm=first["grad_norm"], lp=lp)  # fmt: skip
-            log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: steps {' '.join(f'{x:.2f}' for x in secs)} s, "
-                f"{total / step:,.0f} tokens/s, MFU {flops / step / PEAK:.1%}, peak {peak_mem:.1f} GiB")
-            del learner, b
+            try:  # a row that fails (out of memory, a compile error) is reported; the others still run
+                res[name] = measure(f"{shape} {name}", folder, c, config, rows, budget, matmul, todays=name == "before")
+            except Exception as e:  # noqa: BLE001
+                log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
@@ -465,9 +477,9 @@ def mfu() -> None:
     print(f"\ntotal {time.perf_counter() - T_START:.1f} s; bf16 matmul {matmul / 1e12:.1f} TFLOP/s")
     for shape, target, res in table:
         if target is None:
-            print(f"(CPU: the tiny shape only proves the bench runs; the MFU targets are for one H100)")
+            print("(CPU: the tiny shape only proves the bench runs; the MFU targets are for one H100)")
         elif "after" not in res:
-            print(f"RESULT learner_mfu_{shape}=nan target >= {target} SHORT (not run: --budget-s)")
+            print(f"RESULT learner_mfu_{shape}=nan target >= {target} SHORT (not measured: failed, or --budget-s)")
         else:
             m = res["after"]["mfu"]
             print(f"RESULT learner_mfu_{shape}={m:.3f} target >= {target} {'MET' if m >= target else 'SHORT'}")

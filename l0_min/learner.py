@@ -571,7 +571,8 @@ class Learner:
         for name, t in self.model.state_dict().items():
             t = t.full_tensor() if hasattr(t, "full_tensor") else t
             if self.rank == 0:
-                sd[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() and not lora else t).cpu()
+                cast = dtype is not None and t.is_floating_point() and not lora  # a copy (1 CPU rank: not the live one)
+                sd[name] = t.to("cpu", dtype=dtype if cast else t.dtype, copy=True)
         if lora and self.rank == 0:
             sd = {k: v.to(dtype) if dtype is not None else v for k, v in
                   merge_lora(sd, self.cfg.lora_alpha / self.cfg.lora_rank).items()}
