@@ -137,7 +137,7 @@ def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
 
 def _concat(mb: list[Row], device) -> dict[str, torch.Tensor]:
     """A micro-batch's rows as flat tensors: one tensor per row and field, concatenated, one copy to the device."""
-    cat = lambda f, dt: torch.cat([torch.as_tensor(f(r), dtype=dt) for r in mb]).to(device, non_blocking=True)
+    cat = lambda f, dt: torch.cat([torch.as_tensor(f(r), dtype=dt) for r in mb]).to(device)
     return {"ids": cat(lambda r: r.ids, torch.long), "pos": cat(lambda r: range(len(r)), torch.long),
             "mask": cat(lambda r: r.mask, torch.float32), "adv": cat(lambda r: r.adv, torch.float32),
             "old": cat(lambda r: r.old_logp, torch.float32)}  # fmt: skip
@@ -361,13 +361,11 @@ def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.T
 
 
 # ---------------------------------------------------------------------- speed paths (torchtitan's style)
-# Each is an apply_* function over the plain model, chosen by a learner.* setting and composed in `_build`;
-# train_step does not branch on them. tests/test_learner.py checks each gives the eager path's numbers.
+# apply_* functions over the plain model, chosen by learner.* settings, composed in `_build` (not in train_step)
 
 
 def _layers(model: torch.nn.Module):
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    if layers is None:
+    if (layers := getattr(getattr(model, "model", model), "layers", None)) is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
     return layers
 
@@ -392,8 +390,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str | bool) -> 
     and recomputes the elementwise chains (norms, RoPE, SwiGLU): less recompute, but q, k, v, attention, o,
     gate, up and down outputs per token and layer (~15x hidden at Qwen2.5's shapes). true/false: full/none."""
     mode = {True: "full", False: "none"}.get(mode, mode)
-    policies = {"none": None, "full": {}, "selective": {"context_fn": functools.partial(create_selective_checkpoint_contexts,
-                                                                                         _save_matmuls)}}  # fmt: skip
+    sac = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+    policies = {"none": None, "full": {}, "selective": sac}
     if mode not in policies:
         raise ValueError(f"learner.activation_checkpointing: unknown {mode!r} (none | full | selective)")
     for layer in _layers(model) if mode != "none" else ():
@@ -442,8 +440,8 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
 class Learner:
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, algo_cfg: AlgoConfig, total_steps: int = 1,
                  temperature: float = 1.0, weights: torch.nn.Module | None = None):
-        """`weights`: rank 0's full model to start from instead of `model_path`'s checkpoint (bench/learner.py:
-        random weights built on the GPU); `model_path` still gives the config and the tokenizer."""
+        """`weights`: rank 0's full model instead of `model_path`'s checkpoint (bench/learner.py); the config
+        and tokenizer still come from `model_path`."""
         from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
         self.cfg, self.algo, self.temperature = cfg, algo_cfg, temperature
@@ -469,8 +467,7 @@ class Learner:
         self.step = 0
 
     def reset_optimizer(self, lr: float, total_steps: int) -> None:
-        """A fresh AdamW and schedule, for a new phase (SFT, then RL at its own learning rate). On CUDA the
-        fused AdamW (one kernel for all parameters; the same update)."""
+        """A fresh AdamW (fused on CUDA) and schedule, for a new phase (SFT, then RL at its own learning rate)."""
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay,
                                      fused=self.device.type == "cuda" or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(self.cfg, total_steps))
