@@ -86,7 +86,7 @@ ap.add_argument("--packed-baseline", action=argparse.BooleanOptionalAction, defa
 ap.add_argument("--mfu", action="store_true", help="the learner against the GPU's peak, before/after issue 27 (below)")
 ap.add_argument("--shapes", default="3b,1.5b,0.5b", help="--mfu on CUDA: Qwen2.5 shapes, in this order")
 ap.add_argument("--after", nargs="*", default=[], help="--mfu: overrides of the after row, e.g. learner.compile=aot_eager")
-ap.add_argument("--budget-s", type=float, default=285.0, help="--mfu: start no new row after this many seconds")
+ap.add_argument("--budget-s", type=float, default=270.0, help="--mfu: start no new row after this many seconds")
 args = ap.parse_args()
 
 RATIO_TARGET, PACK_TARGET = 0.9, 0.95

@@ -1,6 +1,6 @@
 """Run under torchrun by tests/test_learner.py: every learner speed path gives the eager path's numbers.
 
-On 2 gloo ranks (FSDP2), tiny-random, one global batch: the eager learner (one SDPA per row, no activation
+On 2 gloo ranks (FSDP2), tiny-random's shape with 4 layers, one global batch: the eager learner (one SDPA per row, no activation
 checkpointing, no compile) and learners with the options of issue 27 each take one step from the same
 weights; argv[1] gets each one's loss, grad norm and gradients' largest difference from the eager ones.
 
@@ -25,7 +25,7 @@ from torch._dynamo.utils import counters  # noqa: E402
 from l0_min.config import Config, resolve  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
 from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
-from l0_min.models import resolve_model  # noqa: E402
+from l0_min.models import save_random_llama, tiny_tokenizer  # noqa: E402
 
 
 def varlen_double(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
@@ -42,10 +42,10 @@ def varlen_double(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=
 torch.nn.attention.varlen.varlen_attn = varlen_double
 torch.set_num_threads(1)
 rank, world, _ = init_distributed()
-if rank == 0:  # built once: two ranks building at once collide on the final rename
-    resolve_model("tiny-random")
+path = Path(sys.argv[2]) / "tiny4"  # tiny-random's shape with 4 layers: one compiled graph must serve them all
+if rank == 0:
+    save_random_llama(path, tiny_tokenizer(), layers=4)
 dist.barrier()
-path = resolve_model("tiny-random")
 
 g = torch.Generator().manual_seed(0)
 rows = []
