@@ -202,8 +202,9 @@ def _attention(choice: str, cuda: bool, bf16: bool) -> str:
     kernel = varlen_kernel() if choice == "varlen" or (choice == "auto" and cuda and bf16) else None
     if choice == "varlen" and kernel is None:
         raise ValueError("learner.attention=varlen: no varlen kernel (flash-attn, or torch.nn.attention.varlen)")
-    AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
-    AttentionInterface.register(VARLEN_ATTENTION, functools.partial(packed_varlen, kernel=kernel))
+    AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa))  # compiled layers: run as is
+    if kernel is not None:  # (registrations are global: never replace a working one with none)
+        AttentionInterface.register(VARLEN_ATTENTION, functools.partial(packed_varlen, kernel=kernel))
     return PACKED_ATTENTION if kernel is None else VARLEN_ATTENTION
 
 
@@ -402,11 +403,8 @@ def apply_compile(model: torch.nn.Module, backend: str) -> None:
     """learner.compile: torch.compile each decoder layer's forward (its activation checkpointing inside, FSDP's
     hooks outside, as torchtitan does) and the LM head's elementwise kernels, with dynamic shapes (a new packed
     length does not recompile; the layers share one compiled graph). "inductor" on GPUs; "none" off."""
-    from transformers import AttentionInterface
-
     if backend == "none":
         return
-    AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa))  # a host loop: run as it is
     compile = functools.partial(torch.compile, backend=backend, dynamic=True)
     for layer in _layers(model):
         layer.forward = compile(layer.forward)
