@@ -6,11 +6,11 @@
     python bench/learner.py --mfu            # one GPU: MFU before/after issue 27 (bench/gpu_learner.sh; CPU: tiny)
 
 --mfu (issue 27): `Learner.train_step` on one agent-shaped global batch (37 rows, 65,536 tokens, log-normal
-lengths median ~1,500 in 256..4,096, ~46% action tokens in spans of 64-512) on random weights of Qwen2.5-3B,
+lengths median ~1,500 in 256..4,096, 48.6% action tokens in spans of 64-512) on random weights of Qwen2.5-3B,
 1.5B and 0.5B shapes (vocabulary 151,936, tied embeddings; built on the GPU), micro-batches of 32,768, bf16
 mixed precision, activation checkpointing. Per shape two rows in one process: "before" (main at e64b70d: one
-SDPA per row, autograd LM head, foreach AdamW) and "after" (configs/gpu_example.yaml's learner section, plus
---after overrides). Each: build, the log-probs of micro-batch 0 (forward + backward: compile warm-up), one
+SDPA per row, full checkpointing, autograd LM head, foreach AdamW; its checkpoint now sits inside FSDP's hooks)
+and "after" (configs/gpu_example.yaml's learner section, plus --after overrides). Each: build, the log-probs of micro-batch 0 (forward + backward: compile warm-up), one
 warm-up step, two timed steps. MFU = useful FLOPs (`step_flops`) / step time / 989 TFLOP/s (H100 SXM bf16),
 also against a bf16 8192^3 matmul timed in the same run; peak = torch.cuda.max_memory_allocated from the
 build on. The before and after log-probs of micro-batch 0 (same weights) must agree to bf16 noise.
