@@ -19,6 +19,8 @@ learner runs bf16 mixed precision and exports bf16. The test suite runs it on CP
     version       every worker reports the new weight version (GET /model_info, and in /generate)
     sticky        each episode's second turn finds its first turn in the server's prefix cache
                   (cached_tokens): the turns of an episode went to one server
+    fast learner  (CUDA) the learner's fast path (varlen attention, compiled layers) gives the eager path's
+                  log-probs: as close to the sampler's as the eager path's (they differ by bf16 rounding)
     resume        a checkpoint of step 1, loaded back, reproduces step 2 (loss and weights)
 """
 
@@ -28,6 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -122,14 +125,14 @@ def rows(turns: list[dict]) -> list[Row]:
             for k, t in enumerate(turns)]  # fmt: skip
 
 
-def learner_logprobs(turns: list[dict]) -> torch.Tensor:
+def learner_logprobs(turns: list[dict], model=None) -> torch.Tensor:
     """The learner's log-probs of every turn's action (a forward on every rank: FSDP collectives)."""
-    out = []
+    out, model = [], learner.model if model is None else model
     for t in turns:
         ids = torch.tensor(t["ctx"] + t["ids"], device=device)
         need = torch.arange(len(ids), device=device) >= len(t["ctx"])
         with torch.no_grad():
-            lp = token_logprobs(learner.model, ids, torch.arange(len(ids), device=device), need, T)
+            lp = token_logprobs(model, ids, torch.arange(len(ids), device=device), need, T)
         out.append(lp[len(t["ctx"]):].float().cpu())
     return torch.cat(out)
 
@@ -177,7 +180,25 @@ stat, bound = (diff.max().item(), min(1e-3, moved / 10)) if exact else (diff.mea
 check("logprobs", stat < bound, f"|sampler - learner| max {diff.max():.2e}, mean {diff.mean():.2e} over {len(diff)} "
       f"tokens at T={T} ({'max' if exact else 'mean'} < {bound:.1e}); the step moved them by {moved:.2e} (mean)")
 
-# 5. resume: step 2, then load the step-1 checkpoint and take step 2 again
+# 5. the learner's fast path (issue 27: one varlen attention call per micro-batch, compiled layers, the fused
+#    LM head) against its eager path (one SDPA per row, nothing compiled), both built from the step-1 export:
+#    they differ by bf16 rounding only: each is about as close to the sampler's (exact, fp32) log-probs as the other
+#    (1.5x: a mean over ~50 tokens varies by ~15%), and from each other by two roundings, ~1.4x one (bound 2x);
+#    a broken path (attention across rows, a wrong head) is off by the log-probs' whole spread (nats)
+if cuda and cfg.learner.mixed_precision is not False:
+    step1, lp = Path(from_rank0(str(folder) if rank0 else None)), {}
+    for name, paths in (("eager", dict(attention="rows", activation_checkpointing="none", compile="none")),
+                        ("fast", dict(attention="varlen", activation_checkpointing="full", compile="inductor"))):
+        other = Learner(step1, replace(cfg.learner, **paths), cfg.algo, temperature=T)
+        lp[name] = learner_logprobs(turns2, other.model)
+        del other
+    d = {k: (v - sampler).abs().mean().item() for k, v in lp.items()}
+    gap = (lp["fast"] - lp["eager"]).abs()
+    check("fast learner", gap.mean().item() <= 2 * d["eager"] and d["fast"] <= 1.5 * d["eager"] + 1e-3,
+          f"|fast - eager| mean {gap.mean():.2e} (<= 2 x eager's), max {gap.max():.2e}; |learner - sampler| mean: "
+          f"eager {d['eager']:.2e}, fast {d['fast']:.2e} (<= 1.5 x eager's + 1e-3)")
+
+# 6. resume: step 2, then load the step-1 checkpoint and take step 2 again
 r2 = shard_rows(rows(turns2), rank, world)
 w1 = learner.full_state_dict()
 s2 = learner.train_step(r2)

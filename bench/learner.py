@@ -3,6 +3,17 @@
     python bench/learner.py                  # full: a larger random Llama, more rows, more repetitions
     python bench/learner.py --quick          # the same measurement, smaller (within 60 s on 2 CPU cores)
     torchrun --nproc_per_node=2 bench/learner.py --quick   # per-rank numbers (the targets are on one rank)
+    python bench/learner.py --mfu            # one GPU: MFU before/after issue 27 (bench/gpu_learner.sh; CPU: tiny)
+
+--mfu (issue 27): `Learner.train_step` on one agent-shaped global batch (37 rows, 65,536 tokens, log-normal
+lengths median ~1,500 in 256..4,096, 48.6% action tokens in spans of 64-512) on random weights of Qwen2.5-3B,
+1.5B and 0.5B shapes (vocabulary 151,936, tied embeddings; built on the GPU), micro-batches of 32,768, bf16
+mixed precision, activation checkpointing. Per shape two rows in one process: "before" (main at e64b70d: one
+SDPA per row, full checkpointing, autograd LM head, foreach AdamW; its checkpoint now sits inside FSDP's hooks)
+and "after" (configs/gpu_example.yaml's learner section, plus --after overrides). Each: build, the log-probs of micro-batch 0 (forward + backward: compile warm-up), one
+warm-up step, two timed steps. MFU = useful FLOPs (`step_flops`) / step time / 989 TFLOP/s (H100 SXM bf16),
+also against a bf16 8192^3 matmul timed in the same run; peak = torch.cuda.max_memory_allocated from the
+build on. The before and after log-probs of micro-batch 0 (same weights) must agree to bf16 noise.
 
 Workload: a realistic agent batch. Row lengths are log-normal (median ~500, clipped to 100..1500
 tokens); each row is a prompt followed by alternating action spans (masked in, ~30% of the tokens,
@@ -42,6 +53,7 @@ import time
 T_START = time.perf_counter()  # the quick run's 60 s include the imports
 
 import argparse
+import gc
 import math
 import random
 import shutil
@@ -55,9 +67,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from l0_min.config import Config
+from l0_min.config import Config, resolve
 from l0_min.episode import Row
-from l0_min.learner import Learner, LogProbHead, close_distributed, init_distributed, pack_rows, shard_rows, token_logprobs
+from l0_min.learner import (Learner, LogProbHead, _concat, close_distributed, init_distributed, pack_rows, shard_rows,
+                            token_logprobs)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--quick", action="store_true")
@@ -70,6 +83,10 @@ ap.add_argument("--layers", type=int, default=None)
 ap.add_argument("--micro-batch-tokens", type=int, default=None, help="packing budget (quick 2048, full 4096)")
 ap.add_argument("--clock", choices=["auto", "wall", "cpu"], default="auto", help="auto: process CPU time on a 1-rank, 1-thread CPU run, else wall")
 ap.add_argument("--packed-baseline", action=argparse.BooleanOptionalAction, default=None, help="also time C")
+ap.add_argument("--mfu", action="store_true", help="the learner against the GPU's peak, before/after issue 27 (below)")
+ap.add_argument("--shapes", default="3b,1.5b,0.5b", help="--mfu on CUDA: Qwen2.5 shapes, in this order")
+ap.add_argument("--after", nargs="*", default=[], help="--mfu: overrides of the after row, e.g. learner.compile=aot_eager")
+ap.add_argument("--budget-s", type=float, default=270.0, help="--mfu: start no new row after this many seconds")
 args = ap.parse_args()
 
 RATIO_TARGET, PACK_TARGET = 0.9, 0.95
@@ -270,4 +287,203 @@ def main() -> None:
     close_distributed()
 
 
-main()
+# -- --mfu: the learner against the GPU's peak, before and after issue 27 -------------------------------------
+
+QWEN = {  # Qwen2.5 shapes: hidden, intermediate, layers, heads, K/V heads, MFU target (issue 27)
+    "3b": (2048, 11008, 36, 16, 2, 0.45), "1.5b": (1536, 8960, 28, 12, 2, 0.35), "0.5b": (896, 4864, 24, 14, 2, 0.25),
+}
+PEAK = 989e12  # H100 SXM, dense bf16
+
+
+def agent_batch(n_rows: int, total: int, vocab: int, rng: random.Random, median: int, lo: int, hi: int) -> list[Row]:
+    """`n_rows` agent-shaped rows of `total` tokens in all: log-normal lengths (median `median`, within lo..hi),
+    a prompt, then action spans of 64-512 tokens (one advantage each, sampler log-probs) between observation
+    spans of 64-512: 42-49% action tokens (seeds 0-3; 48.6% at seed 0)."""
+    lens = [rng.lognormvariate(math.log(median), 0.6) for _ in range(n_rows)]
+    for _ in range(50):  # scale to `total`, keeping the bounds
+        lens = [min(hi, max(lo, x * total / sum(lens))) for x in lens]
+    lens = [int(x) for x in lens]
+    lens[lens.index(min(lens))] += total - sum(lens)
+    rows = []
+    for n in lens:
+        mask, adv = [0.0] * n, [0.0] * n
+        t = rng.randint(lo // 2, 3 * lo // 2)
+        while t < n:
+            a, g = rng.randint(64, 512), rng.gauss(0.0, 1.0)
+            mask[t : t + a], adv[t : t + a] = [1.0] * len(mask[t : t + a]), [g] * len(mask[t : t + a])
+            t += a + rng.randint(64, 512)
+        rows.append(Row([rng.randrange(vocab) for _ in range(n)], mask, adv, [-math.log(vocab)] * n))
+    return rows
+
+
+def step_flops(config, n_params: int, rows: list[Row]) -> float:
+    """Useful FLOPs of one step (issue 27): 6 x non-embedding parameters x tokens + causal attention
+    (6 x layers x hidden x sum of squared row lengths) + the LM head on the action positions (6 x hidden x
+    vocab x action tokens). Recomputation (activation checkpointing) is not useful work."""
+    h, v = config.hidden_size, config.vocab_size
+    tokens, actions = sum(len(r) for r in rows), sum(1 for r in rows for m in r.mask if m > 0)
+    return (6 * (n_params - v * h) * tokens + 6 * config.num_hidden_layers * h * sum(len(r) ** 2 for r in rows)
+            + 6 * h * v * actions)  # fmt: skip
+
+
+def matmul_flops_per_s(n: int = 8192) -> float:
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    sync()
+    return 10 * 2 * n**3 / (time.perf_counter() - t0)
+
+
+def todays_head(head, h: torch.Tensor) -> torch.Tensor:
+    """The LM head before issue 27 (the before row): autograd through fp32 logits, chunk by chunk, each chunk
+    recomputed in backward (torch.utils.checkpoint)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def chunk(h, w, t, inv_t):
+        z = F.linear(h, w).float() * inv_t
+        return z.gather(-1, t[:, None]).squeeze(-1) - z.logsumexp(-1)
+
+    h = h.reshape(-1, h.shape[-1])
+    return torch.cat([checkpoint(chunk, h[a : a + 2048], head.weight, head.targets[a : a + 2048], head.inv_t,
+                                 use_reentrant=False)[None, :, None] for a in range(0, len(h), 2048)], dim=1)  # fmt: skip
+
+
+def random_model(config):
+    """Random weights (transformers' init), built on the device (seconds at 3B); seeded: the same for every row."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(args.seed)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def measure(tag, folder, c, config, rows, budget, matmul, todays: bool) -> dict:
+    """One row: build the learner, micro-batch 0's log-probs (forward + backward: compile warm-up), one warm-up
+    step, two timed steps."""
+    from types import MethodType
+
+    cuda, total = device.type == "cuda", sum(len(r) for r in rows)
+    t0, left = time.perf_counter(), torch.cuda.memory_allocated() / 2**30 if cuda else 0.0  # the last row's: ~0
+    learner = Learner(folder, c, Config().algo, total_steps=10, weights=random_model(config))
+    if todays:
+        learner.model.lm_head.forward = MethodType(todays_head, learner.model.lm_head)
+        learner.opt = torch.optim.AdamW(learner.params, lr=c.lr, betas=tuple(c.betas), foreach=True)
+        learner.sched = torch.optim.lr_scheduler.LambdaLR(learner.opt, lambda step: 1.0)
+    n_params = sum(p.numel() for p in learner.model.parameters())
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    log(f"[{time.perf_counter() - T_START:6.1f} s] {tag}: built ({n_params / 1e9:.2f} B parameters, "
+        f"{time.perf_counter() - t0:.1f} s; {left:.1f} GiB were still allocated before)")  # fmt: skip
+    b = _concat(pack_rows(rows, budget)[0], device)
+    t0 = time.perf_counter()
+    lp = token_logprobs(learner.model, b["ids"], b["pos"], b["mask"] > 0)
+    (lp.sum() * 0).backward()
+    lp = lp.detach().float().cpu()[b["mask"].cpu() > 0]
+    sync()
+    t1 = time.perf_counter()
+    first = learner.train_step(rows)
+    sync()
+    t2 = time.perf_counter()
+    log(f"[{t2 - T_START:6.1f} s] {tag}: log-probs of micro-batch 0 {t1 - t0:.1f} s, warm-up step {t2 - t1:.1f} s")
+    secs = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        learner.train_step(rows)
+        sync()
+        secs.append(time.perf_counter() - t0)
+    step, flops = statistics.mean(secs), step_flops(config, n_params, rows)
+    mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    log(f"[{time.perf_counter() - T_START:6.1f} s] {tag}: steps {' '.join(f'{x:.2f}' for x in secs)} s, "
+        f"{total / step:,.0f} tokens/s, MFU {flops / step / PEAK:.1%}, peak {mem:.1f} GiB")
+    return dict(tok_s=total / step, mfu=flops / step / PEAK, of_matmul=flops / step / matmul, mem=mem, step=step,
+                loss=first["loss"], grad_norm=first["grad_norm"], lp=lp)  # fmt: skip
+
+
+def mfu() -> None:
+    from dataclasses import replace
+
+    from transformers import Qwen2Config
+
+    from bench.toy import make_toy_tokenizer
+
+    if world != 1:
+        raise SystemExit("--mfu: one rank (python bench/learner.py --mfu); its targets are for one GPU")
+    cuda = device.type == "cuda"
+    if cuda:  # issue 27's workload
+        shapes = {k: QWEN[k] for k in args.shapes.split(",")}
+        vocab, total, n_rows, lengths, budget = 151936, 65536, 37, (1500, 256, 4096), 32768
+    else:  # CPU: a tiny shape, only to prove the bench runs
+        shapes = {"tiny": (64, 128, 2, 4, 2, None)}
+        vocab, total, n_rows, lengths, budget = 512, 4096, 12, (300, 64, 1024), 2048
+    rows = agent_batch(n_rows, total, vocab, random.Random(args.seed), *lengths)
+    gpu = resolve(config_file=Path(__file__).resolve().parents[1] / "configs/gpu_example.yaml").learner
+    base = replace(Config().learner, lr=1e-6, grad_clip=1.0, micro_batch_tokens=budget)
+    variants = {  # before: main at e64b70d (one SDPA per row, full checkpointing, autograd LM head, foreach AdamW)
+        "before": replace(base, attention="rows", activation_checkpointing="full", compile="none"),
+        "after": resolve(args.after, base=Config(learner=replace(gpu, lr=1e-6, grad_clip=1.0,
+                                                                 micro_batch_tokens=budget))).learner,
+    }  # fmt: skip
+    actions = sum(1 for r in rows for m in r.mask if m > 0)
+    log(f"batch: {len(rows)} rows, {total} tokens (median row {sorted(map(len, rows))[len(rows) // 2]}, "
+        f"{min(map(len, rows))}-{max(map(len, rows))}), action tokens {actions / total:.1%}, "
+        f"{len(pack_rows(rows, budget))} micro-batches of <= {budget}; device {device}")  # fmt: skip
+    for name, c in variants.items():
+        log(f"{name}: attention={c.attention} activation_checkpointing={c.activation_checkpointing} compile={c.compile} "
+            f"mixed_precision={c.mixed_precision}{' + the autograd LM head, foreach AdamW' if name == 'before' else ''}")
+    matmul = matmul_flops_per_s(8192 if cuda else 512)
+    log(f"[{time.perf_counter() - T_START:6.1f} s] bf16 matmul {'8192' if cuda else '512'}^3: {matmul / 1e12:.1f} TFLOP/s")
+    tmp, table = Path(tempfile.mkdtemp(prefix="l0min-bench-mfu-")), []
+    for shape, (hidden, inter, layers, heads, kv, target) in shapes.items():
+        config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                             num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
+                             max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)  # fmt: skip
+        folder = tmp / shape
+        config.save_pretrained(folder)
+        make_toy_tokenizer().save_pretrained(folder)  # the learner's tokenizer; the rows are ids already
+
+        res = {}
+        for name, c in variants.items():
+            if time.perf_counter() - T_START > args.budget_s:
+                log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: skipped (--budget-s {args.budget_s:.0f})")
+                continue
+            try:  # a row that fails (out of memory, a compile error) is reported; the others still run
+                res[name] = measure(f"{shape} {name}", folder, c, config, rows, budget, matmul, todays=name == "before")
+            except Exception as e:  # noqa: BLE001
+                log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        table.append((shape, target, res))
+    shutil.rmtree(tmp, ignore_errors=True)
+
+    print(f"\n{'shape':<6} {'path':<7} {'tokens/s':>9} {'MFU (989)':>9} {'of matmul':>9} {'peak GiB':>8} {'step s':>7} "
+          f"{'step-1 loss':>12} {'grad norm':>10}")  # fmt: skip
+    for shape, _, res in table:
+        for name, r in res.items():
+            print(f"{shape:<6} {name:<7} {r['tok_s']:>9,.0f} {r['mfu']:>9.1%} {r['of_matmul']:>9.1%} {r['mem']:>8.1f} "
+                  f"{r['step']:>7.2f} {r['loss']:>12.5g} {r['grad_norm']:>10.4g}")  # fmt: skip
+        if len(res) == 2:
+            d, spread = (res["after"]["lp"] - res["before"]["lp"]).abs(), res["before"]["lp"].std().item()
+            ok = d.mean().item() <= 0.05 * spread
+            print(f"{shape:<6} after/before {res['after']['tok_s'] / res['before']['tok_s']:.2f}x tokens/s; log-probs "
+                  f"|after - before| mean {d.mean():.2e}, max {d.max():.2e} over {len(d)} action tokens (their spread "
+                  f"{spread:.2e}; bf16 noise ~2% of it, a broken path ~100%): {'PASS' if ok else 'FAIL'}")  # fmt: skip
+    print(f"\ntotal {time.perf_counter() - T_START:.1f} s; bf16 matmul {matmul / 1e12:.1f} TFLOP/s")
+    for shape, target, res in table:
+        if target is None:
+            print("(CPU: the tiny shape only proves the bench runs; the MFU targets are for one H100)")
+        elif "after" not in res:
+            print(f"RESULT learner_mfu_{shape}=nan target >= {target} SHORT (not measured: failed, or --budget-s)")
+        else:
+            m = res["after"]["mfu"]
+            print(f"RESULT learner_mfu_{shape}={m:.3f} target >= {target} {'MET' if m >= target else 'SHORT'}")
+    close_distributed()
+
+
+mfu() if args.mfu else main()

@@ -185,7 +185,10 @@ class LearnerConfig:
     grad_clip: float = 1.0
     micro_batch_tokens: int = 4096  # packing budget per micro-batch
     mixed_precision: bool | None = None  # bf16 compute, fp32 masters and reduce; None: on with CUDA
-    activation_checkpointing: bool = False  # GPU option
+    # the GPU speed paths (learner.py's apply_*; configs/gpu_example.yaml turns them on; README "GPU learner"):
+    attention: str = "auto"  # auto (one varlen kernel call per micro-batch on CUDA in bf16, else rows) | rows | varlen
+    activation_checkpointing: str | bool = "none"  # none | full | selective (true = full, false = none)
+    compile: str = "none"  # torch.compile backend for each decoder layer: none | inductor (| aot_eager: tests)
     backend: str = "auto"  # auto: gloo on CPU, "cpu:gloo,cuda:nccl" with CUDA
     device: str = "auto"  # auto: CUDA when torch can use it, else CPU | cuda: stop at start-up without it | cpu
     # LoRA (peft) on the decoder's linear layers when lora_rank > 0: only the adapters train, the weights

@@ -9,9 +9,10 @@ Each rank runs the same code (SPMD). The model is built on the meta device, `ful
 decoder layer, then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard.
 The process group is gloo on CPU and "cpu:gloo,cuda:nccl" with CUDA. Micro-batches are packed: rows
 are concatenated into one sequence of at most `micro_batch_tokens` with position ids restarting per
-row; linear layers run on the packed tokens and attention runs per row (flash-attention's varlen
-kernel on CUDA in bf16, else `packed_sdpa`), so neither padding nor a dense block-diagonal mask is
-computed (bench/learner.py: the dense mask cost 2x at 4k-token micro-batches).
+row; linear layers run on the packed tokens and attention within each row (one varlen kernel call on
+CUDA in bf16, else one SDPA per row), so neither padding nor a dense block-diagonal mask is computed
+(bench/learner.py: the dense mask cost 2x at 4k-token micro-batches). The GPU speed paths (compiled
+layers, selective checkpointing) are `apply_*` functions composed in `_build` (torchtitan's style).
 
 Log-probs are those of the distribution the sampler drew from: log_softmax(logits / T) at the
 sampling temperature T (SGLang's default; top-p / top-k truncation is not modelled). The LM head
@@ -21,7 +22,9 @@ computes them in chunks of action positions (`LogProbHead`): no [tokens, vocab] 
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -34,14 +37,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 from l0_min import loss as losses
 from l0_min.config import AlgoConfig, LearnerConfig
@@ -140,8 +138,7 @@ def pack_rows(rows: list[Row], budget: int) -> list[list[Row]]:
     >>> [[len(x) for x in mb] for mb in pack_rows([r(6), r(3), r(5), r(2), r(12)], budget=10)]
     [[12], [6, 3], [5, 2]]
     """
-    bins: list[list[Row]] = []
-    room: list[int] = []
+    bins, room = [], []  # micro-batches, and the tokens left in each
     for row in sorted(rows, key=len, reverse=True):
         for i, left in enumerate(room):
             if len(row) <= left:
@@ -161,8 +158,7 @@ def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
     >>> [len(x) for x in shard_rows([r(9), r(5), r(4), r(3)], 0, 2)], [len(x) for x in shard_rows([r(9), r(5), r(4), r(3)], 1, 2)]
     ([9, 3], [5, 4])
     """
-    load = [0] * world
-    mine = []
+    load, mine = [0] * world, []
     for row in sorted(rows, key=len, reverse=True):
         k = min(range(world), key=lambda j: (load[j], j))
         load[k] += len(row)
@@ -172,65 +168,148 @@ def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
 
 
 def _concat(mb: list[Row], device) -> dict[str, torch.Tensor]:
-    cat = lambda f, dt: torch.tensor([x for row in mb for x in f(row)], dtype=dt, device=device)
-    return {
-        "ids": cat(lambda r: r.ids, torch.long),
-        "pos": cat(lambda r: range(len(r)), torch.long),
-        "mask": cat(lambda r: r.mask, torch.float32),
-        "adv": cat(lambda r: r.adv, torch.float32),
-        "old": cat(lambda r: r.old_logp, torch.float32),
-    }
+    """A micro-batch's rows as flat tensors: one tensor per row and field, concatenated, one copy to the device."""
+    cat = lambda f, dt: torch.cat([torch.as_tensor(f(r), dtype=dt) for r in mb]).to(device)
+    return {"ids": cat(lambda r: r.ids, torch.long), "pos": cat(lambda r: range(len(r)), torch.long),
+            "mask": cat(lambda r: r.mask, torch.float32), "adv": cat(lambda r: r.adv, torch.float32),
+            "old": cat(lambda r: r.old_logp, torch.float32)}  # fmt: skip
 
 
-PACKED_ATTENTION = "l0_packed_sdpa"
+# ------------------------------------------------------------------------------------ attention
+# transformers' attention call on a packed micro-batch ([1, heads, tokens, head_dim], `cu_seq_lens_q` = row
+# bounds [0, len0, len0+len1, ..., tokens]), causal within each row: sum(row_len^2) work, no mask ("sdpa" would
+# build a dense block-diagonal one over the micro-batch: work ~ micro_batch_tokens^2).
+
+PACKED_ATTENTION, VARLEN_ATTENTION = "l0_packed_sdpa", "l0_packed_varlen"
 
 
 def packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None, **kwargs):
-    """Causal attention within each row of a packed micro-batch: one SDPA call per row.
-
-    transformers' "sdpa" turns restarting position ids into a dense block-diagonal mask over the
-    whole micro-batch (work ~ micro_batch_tokens^2); this does sum(row_len^2) and builds no mask.
-    `cu_seq_lens_q` holds the row boundaries [0, len0, len0+len1, ..., n] (flash-attention's name).
-    Inputs are [1, heads, tokens, head_dim]; it serves the learner's packed, unpadded batches only.
-    """
+    """One SDPA call per row (CPU, and CUDA without a varlen kernel); one `.tolist()` of the bounds per layer."""
     gqa = getattr(module, "num_key_value_groups", 1) > 1  # SDPA shares K/V across query heads itself
     bounds = [0, query.shape[2]] if cu_seq_lens_q is None else cu_seq_lens_q.tolist()
-    out = torch.cat(
-        [
-            F.scaled_dot_product_attention(
-                query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout, is_causal=True, scale=scaling,
-                enable_gqa=gqa,
-            )
-            for a, b in zip(bounds[:-1], bounds[1:])
-        ],
-        dim=2,
-    )
-    return out.transpose(1, 2).contiguous(), None
+    out = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
+                                          is_causal=True, scale=scaling, enable_gqa=gqa)
+           for a, b in zip(bounds[:-1], bounds[1:])]  # fmt: skip
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
 
 
-def _chunk_logprobs(h: torch.Tensor, weight: torch.Tensor, bias, targets: torch.Tensor, inv_t: float) -> torch.Tensor:
-    z = F.linear(h, weight, bias).float() * inv_t
-    return z.gather(-1, targets[:, None]).squeeze(-1) - z.logsumexp(-1)
+def packed_varlen(module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None,
+                  max_length_q=None, kernel=None, **kwargs):  # fmt: skip
+    """All rows in one varlen kernel call (CUDA, bf16): no loop, no host sync. `kernel(q, k, v, cu, max_len,
+    scale)` takes [tokens, heads, head_dim] (see `varlen_kernel`); `max_length_q` is computed once per micro-batch."""
+    q, k, v = (x[0].transpose(0, 1).contiguous() for x in (query, key, value))
+    return kernel(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
+
+
+def varlen_kernel():
+    """flash-attn's `flash_attn_varlen_func` where installed, else torch's `varlen_attn` (CUDA; None if neither).
+    torch's is causal with `window_size=(-1, 0)`; without `enable_gqa` (torch 2.11) the shared K/V heads are
+    repeated, as transformers' own `repeat_kv` does."""
+    if importlib.util.find_spec("flash_attn") is not None:
+        from flash_attn import flash_attn_varlen_func
+
+        return lambda q, k, v, cu, n, scale: flash_attn_varlen_func(q, k, v, cu, cu, n, n, softmax_scale=scale, causal=True)
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return None
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
+    kw = {"window_size": (-1, 0), "enable_gqa": True} if gqa else {"window_size": (-1, 0)}
+
+    def run(q, k, v, cu, n, scale):
+        if not gqa and k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu, cu, n, n, scale=scale, **kw)
+
+    return run
+
+
+def _attention(choice: str, cuda: bool, bf16: bool) -> str:
+    """learner.attention -> the registered implementation: auto = one varlen call per micro-batch on CUDA in
+    bf16 where a varlen kernel exists, else one SDPA per row."""
+    from transformers import AttentionInterface
+
+    if choice not in ("auto", "rows", "varlen"):
+        raise ValueError(f"learner.attention: unknown {choice!r} (auto | rows | varlen)")
+    kernel = varlen_kernel() if choice == "varlen" or (choice == "auto" and cuda and bf16) else None
+    if choice == "varlen" and kernel is None:
+        raise ValueError("learner.attention=varlen: no varlen kernel (flash-attn, or torch.nn.attention.varlen)")
+    AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa))  # compiled layers: run as is
+    if kernel is not None:  # (registrations are global: never replace a working one with none)
+        AttentionInterface.register(VARLEN_ATTENTION, functools.partial(packed_varlen, kernel=kernel))
+    return PACKED_ATTENTION if kernel is None else VARLEN_ATTENTION
+
+
+# -------------------------------------------------------------------------------------- LM head
+
+
+def _logp_lse(z: torch.Tensor, targets: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk's log p(target) and logsumexp at temperature 1 / inv_t, in fp32, from its logits `z`."""
+    z = z.float() * inv_t
+    lse = z.logsumexp(-1)
+    return z.gather(-1, targets[:, None]).squeeze(-1) - lse, lse
+
+
+def _dlogits(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch.Tensor, inv_t: float) -> torch.Tensor:
+    """d(sum_i g_i log p_i) / dz = (onehot(target) - softmax(z / T)) * g / T, in z's dtype.
+
+    >>> _dlogits(torch.zeros(1, 2), torch.tensor([math.log(2)]), torch.tensor([0]), torch.ones(1), 1.0)
+    tensor([[ 0.5000, -0.5000]])
+    """
+    gt = (g * inv_t)[:, None]
+    d = (z.float() * inv_t - lse[:, None]).exp_().mul_(-gt)
+    return d.scatter_add_(1, targets[:, None], gt).to(z.dtype)
+
+
+class _LinearLogProb(torch.autograd.Function):
+    """log p(target) = z[target] - logsumexp(z), z = (h W^T + b) / T, chunk by chunk. The forward keeps h, the
+    targets and one logsumexp per position; the backward recomputes each chunk's logits and multiplies
+    `_dlogits` into dh and dW (summed over chunks in fp32). One [chunk, vocab] block exists at a time."""
+
+    @staticmethod
+    def forward(ctx, h, weight, bias, targets, inv_t, chunk, kernels):
+        parts = [kernels[0](F.linear(h[a : a + chunk], weight, bias), targets[a : a + chunk], inv_t)
+                 for a in range(0, len(h), chunk)]  # fmt: skip
+        ctx.save_for_backward(h, weight, bias, targets, torch.cat([lse for _, lse in parts]))
+        ctx.inv_t, ctx.chunk, ctx.kernels = inv_t, chunk, kernels
+        return torch.cat([lp[None, :, None] for lp, _ in parts], dim=1)  # [1, n, 1], as logits; not a view (FSDP2)
+
+    @staticmethod
+    def backward(ctx, g):
+        h, weight, bias, targets, lse = ctx.saved_tensors
+        g = g.reshape(-1)
+        # the gradients that are needed (not: LoRA's frozen head, a bias-free head's bias), summed in fp32
+        dh, dw, db = (torch.zeros(x.shape, dtype=torch.float32, device=x.device) if need else None
+                      for x, need in zip((h, weight, bias), ctx.needs_input_grad))  # fmt: skip
+        for a in range(0, len(h), ctx.chunk):
+            s = slice(a, a + ctx.chunk)
+            dz = ctx.kernels[1](F.linear(h[s], weight, bias), lse[s], targets[s], g[s], ctx.inv_t)
+            if dh is not None:
+                dh[s] = dz @ weight
+            if dw is not None:
+                dw += dz.t() @ h[s]
+            if db is not None:
+                db += dz.sum(0)
+        cast = lambda d, x: None if d is None else d.to(x.dtype)
+        return cast(dh, h), cast(dw, weight), cast(db, bias), None, None, None, None
 
 
 class LogProbHead(torch.nn.Linear):
     """An LM head that returns log p(target) at temperature T instead of logits (same weights and
     names: `model.lm_head.__class__ = LogProbHead`). It runs inside the model's forward, so FSDP2 has
-    the root's weights gathered; each chunk of `chunk` positions is recomputed in backward, so the
-    largest tensor is one [chunk, vocab] fp32 block (at Qwen's vocabulary, 2048 x 152k x 4 B = 1.2 GB,
-    where full fp32 logits of a 32k-token micro-batch were ~20 GB, twice). Set `targets` and `inv_t`
-    before each forward (`token_logprobs` does)."""
+    the root's weights gathered. `_LinearLogProb` never holds more than one [chunk, vocab] block (at
+    Qwen's vocabulary, 2048 x 152k x 4 B = 1.2 GB, where full fp32 logits of a 32k-token micro-batch
+    were ~20 GB, twice). Set `targets` and `inv_t` before each forward (`token_logprobs` does);
+    `kernels` are the chunk's elementwise steps (`apply_compile` compiles them)."""
 
     chunk = 2048
     targets: torch.Tensor
     inv_t: float = 1.0
+    kernels = (_logp_lse, _dlogits)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         h = h.reshape(-1, h.shape[-1])
-        out = [checkpoint(_chunk_logprobs, h[a : a + self.chunk], self.weight, self.bias,
-                          self.targets[a : a + self.chunk], self.inv_t, use_reentrant=False)[None, :, None]
-               for a in range(0, len(h), self.chunk)]  # fmt: skip
-        return torch.cat(out, dim=1)  # not a view: FSDP2 warns on views (hooks on them can be lost)
+        return _LinearLogProb.apply(h, self.weight, self.bias, self.targets, self.inv_t, self.chunk, self.kernels)
 
 
 def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tensor | None = None,
@@ -282,10 +361,7 @@ def _shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
     kw = {}
     if mixed_precision:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    if layers is None:
-        raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers to shard")
-    for layer in layers:
+    for layer in _layers(model):
         fully_shard(layer, **kw)
     fully_shard(model, **kw)
     return model
@@ -317,8 +393,58 @@ def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.T
     return out
 
 
+# ---------------------------------------------------------------------- speed paths (torchtitan's style)
+# apply_* functions over the plain model, chosen by learner.* settings, composed in `_build` (not in train_step)
+
+
+def _layers(model: torch.nn.Module):
+    if (layers := getattr(getattr(model, "model", model), "layers", None)) is None:
+        raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
+    return layers
+
+
+_SAVED_OPS = {"aten.mm", "aten.addmm", "aten._scaled_dot_product_flash_attention", "aten._flash_attention_forward",
+              "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+              "aten._scaled_dot_product_flash_attention_for_cpu", "torch_attn._varlen_attn",
+              "flash_attn._flash_attn_varlen_forward"}  # fmt: skip
+
+
+def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if str(op).rsplit(".", 1)[0] in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute(forward, policy: dict, *args, **kwargs):
+    return checkpoint(forward, *args, use_reentrant=False, **policy, **kwargs)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str | bool) -> None:
+    """learner.activation_checkpointing: recompute each decoder layer in backward. "full" keeps the layer's
+    input only (hidden floats per token and layer); "selective" also keeps the matmul and attention outputs
+    and recomputes the elementwise chains (norms, RoPE, SwiGLU): less recompute, but q, k, v, attention, o,
+    gate, up and down outputs per token and layer (~15x hidden at Qwen2.5's shapes). true/false: full/none."""
+    mode = {True: "full", False: "none"}.get(mode, mode)
+    sac = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+    policies = {"none": None, "full": {}, "selective": sac}
+    if mode not in policies:
+        raise ValueError(f"learner.activation_checkpointing: unknown {mode!r} (none | full | selective)")
+    for layer in _layers(model) if mode != "none" else ():
+        layer.forward = functools.partial(_recompute, layer.forward, policies[mode])  # FSDP's hooks stay outside
+
+
+def apply_compile(model: torch.nn.Module, backend: str) -> None:
+    """learner.compile: torch.compile each decoder layer's forward (its activation checkpointing inside, FSDP's
+    hooks outside, as torchtitan does) and the LM head's elementwise kernels, with dynamic shapes (a new packed
+    length does not recompile; the layers share one compiled graph). "inductor" on GPUs; "none" off."""
+    if backend == "none":
+        return
+    compile = functools.partial(torch.compile, backend=backend, dynamic=True)
+    for layer in _layers(model):
+        layer.forward = compile(layer.forward)
+    model.lm_head.kernels = tuple(compile(k) for k in LogProbHead.kernels)
+
+
 def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: dict, buffers: dict, train: bool):
-    """The sharded model: built on the meta device, sharded, then filled from rank 0's `full_sd`."""
+    """The sharded model: built on the meta device, sped up, sharded, then filled from rank 0's `full_sd`."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
@@ -327,10 +453,10 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
     model.lm_head.__class__ = LogProbHead
     if cfg.lora_rank > 0:
         add_lora(model, cfg)
-    if train and cfg.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train(train and cfg.activation_checkpointing)  # transformers checkpoints only in training mode
+    apply_activation_checkpointing(model, cfg.activation_checkpointing if train else "none")
+    apply_compile(model, cfg.compile)
     _shard(model, mixed)
+    model.eval()  # dropout off (the checkpointing above is ours, not transformers' training-mode one)
     model.to_empty(device=device)  # then the broadcast lands on the device (a meta model would be loaded on CPU)
     # a copy: set_model_state_dict puts the sharded tensors into the dict it is given (the KL reference's
     # build would broadcast the policy's DTensors)
@@ -345,25 +471,25 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
 
 class Learner:
     def __init__(self, model_path: str | Path, cfg: LearnerConfig, algo_cfg: AlgoConfig, total_steps: int = 1,
-                 temperature: float = 1.0):
-        from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+                 temperature: float = 1.0, weights: torch.nn.Module | None = None):
+        """`weights`: rank 0's full model instead of `model_path`'s checkpoint (bench/learner.py); the config
+        and tokenizer still come from `model_path`."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-        AttentionInterface.register(PACKED_ATTENTION, packed_sdpa)
         self.cfg, self.algo, self.temperature = cfg, algo_cfg, temperature
         self.rank, self.world, self.device = init_distributed(cfg.backend, cfg.device)
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         cuda = self.device.type == "cuda"
         mixed = cuda if cfg.mixed_precision is None else cfg.mixed_precision
-        flash = cuda and mixed and importlib.util.find_spec("flash_attn") is not None
         # rank 0 alone reads the checkpoint (one host copy instead of one per rank) and broadcasts it
         full_sd, buffers = {}, [None]
         if self.rank == 0:
-            cpu = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+            cpu = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if weights is None else weights
             cpu = add_lora(cpu, cfg) if cfg.lora_rank > 0 else cpu  # the adapters' init travels with the weights
             full_sd, buffers = cpu.state_dict(), [dict(cpu.named_buffers())]
         dist.broadcast_object_list(buffers, src=0)
-        args = (AutoConfig.from_pretrained(self.model_path), "flash_attention_2" if flash else PACKED_ATTENTION,
+        args = (AutoConfig.from_pretrained(self.model_path), _attention(cfg.attention, cuda, mixed),
                 cfg, mixed, self.device, full_sd, buffers[0])
         self.model = _build(*args, train=True)
         self.ref = _build(*args, train=False) if algo_cfg.kl_coef > 0 else None  # the KL penalty's frozen reference
@@ -373,8 +499,9 @@ class Learner:
         self.step = 0
 
     def reset_optimizer(self, lr: float, total_steps: int) -> None:
-        """A fresh AdamW and schedule, for a new phase (SFT, then RL at its own learning rate)."""
-        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay)
+        """A fresh AdamW (fused on CUDA) and schedule, for a new phase (SFT, then RL at its own learning rate)."""
+        self.opt = torch.optim.AdamW(self.params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay,
+                                     fused=self.device.type == "cuda" or None)
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(self.cfg, total_steps))
 
     # -- one RL update -------------------------------------------------------------------------
@@ -473,7 +600,8 @@ class Learner:
         for name, t in self.model.state_dict().items():
             t = t.full_tensor() if hasattr(t, "full_tensor") else t
             if self.rank == 0:
-                sd[name] = (t.to(dtype) if dtype is not None and t.is_floating_point() and not lora else t).cpu()
+                cast = dtype is not None and t.is_floating_point() and not lora  # a copy (1 CPU rank: not the live one)
+                sd[name] = t.to("cpu", dtype=dtype if cast else t.dtype, copy=True)
         if lora and self.rank == 0:
             sd = {k: v.to(dtype) if dtype is not None else v for k, v in
                   merge_lora(sd, self.cfg.lora_alpha / self.cfg.lora_rank).items()}
@@ -497,16 +625,15 @@ class Learner:
 
     # -- checkpoint ----------------------------------------------------------------------------
 
+    def _dcp_state(self) -> dict:
+        return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt)}
+
     def save(self, ckpt_dir: str | Path, extra: dict | None = None) -> None:
         """Model + optimizer (torch.distributed.checkpoint), scheduler, step, RNG, caller's extra."""
         import torch.distributed.checkpoint as dcp
 
         ckpt_dir = Path(ckpt_dir)
-        state = {
-            "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.opt),
-        }
-        dcp.save(state, checkpoint_id=str(ckpt_dir / "dcp"))
+        dcp.save(self._dcp_state(), checkpoint_id=str(ckpt_dir / "dcp"))
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
         torch.save(rng, ckpt_dir / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
@@ -521,10 +648,7 @@ class Learner:
         ckpt_dir = Path(ckpt_dir)
         if not (ckpt_dir / "learner.json").is_file():
             raise FileNotFoundError(f"{ckpt_dir}: not a checkpoint (learner.json missing)")
-        state = {
-            "model": get_model_state_dict(self.model),
-            "optim": get_optimizer_state_dict(self.model, self.opt),
-        }
+        state = self._dcp_state()
         dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.opt, state["optim"])

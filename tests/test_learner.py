@@ -225,3 +225,142 @@ def test_learner_device_cuda_without_cuda_stops_with_the_reason(monkeypatch):
     assert "it is a CPU build" in reason()
     with pytest.raises(ValueError, match="learner.device: expected auto, cuda or cpu, got 'gpu'"):
         learner.init_distributed(device="gpu")
+
+
+# -- the speed paths of issue 27 (learner.attention, activation_checkpointing, compile; the fused LM head) --
+
+
+@pytest.fixture(scope="module")
+def fast_paths(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("learner_fast")
+    _torchrun([str(ROOT / "tests/workers/learner_fast_check.py"), str(tmp / "report.json"), str(tmp)], tmp)
+    return json.loads((tmp / "report.json").read_text())
+
+
+@pytest.mark.parametrize("variant", ["full", "selective", "varlen", "compiled"])
+def test_each_speed_path_gives_the_eager_step_on_2_ranks(fast_paths, variant):
+    """One FSDP2 step on 2 gloo ranks with each option = the eager step (one SDPA per row, nothing recomputed,
+    nothing compiled). Recomputation replays the same fp32 ops (equal up to a BLAS that sums in an order that
+    depends on memory alignment: a few ulps, 1e-6). The varlen path's attention (a dense masked SDPA double on
+    CPU) sums the same products in another order: fp32 rounding, ~1e-7 relative per op, grown through 4
+    layers and the softmax's exp to < 1e-4 of the largest gradient (measured 2e-5)."""
+    eager, got = fast_paths["eager"], fast_paths[variant]
+    tol = 1e-6 if variant in ("full", "selective") else 1e-4
+    assert got["params"] == eager["params"]  # the options rename nothing (checkpoints, export)
+    assert got["loss"] == pytest.approx(eager["loss"], rel=tol / 10)
+    assert got["grad_norm"] == pytest.approx(eager["grad_norm"], rel=tol / 10)
+    assert got["max_grad_diff"] <= tol
+    if variant == "compiled":  # the 4 layers share one graph (and a new length does not recompile): with the LM
+        # head's 2 kernels, 3 graphs, + 2 where a 1-position filler micro-batch specializes the kernels (size 1)
+        assert 0 < got["graphs"]["unique_graphs"] <= 5, got["graphs"]
+
+
+def test_fused_logprob_head_equals_autograd_of_log_softmax():
+    """_LinearLogProb's hand-written backward ((onehot - softmax) * g / T into dh and dW, in chunks) equals
+    autograd through log_softmax(h W^T / T): fp32, the same products summed in another order."""
+    import torch
+
+    from l0_min.learner import LogProbHead, _LinearLogProb
+
+    torch.manual_seed(0)
+    h, w = torch.randn(37, 16, requires_grad=True), (0.5 * torch.randn(50, 16)).requires_grad_()
+    b, t, g = torch.randn(50, requires_grad=True), torch.randint(50, (37,)), torch.randn(37)
+    got = _LinearLogProb.apply(h, w, b, t, 1 / 0.7, 8, LogProbHead.kernels).reshape(-1)
+    grads = torch.autograd.grad((got * g).sum(), (h, w, b))
+    want = torch.log_softmax((h @ w.T + b) / 0.7, -1).gather(-1, t[:, None]).squeeze(-1)
+    ref = torch.autograd.grad((want * g).sum(), (h, w, b))
+    assert torch.allclose(got, want, atol=1e-5)  # |log p| < ~20: a few fp32 ulps
+    for x, y in zip(grads, ref):
+        assert (x - y).abs().max() <= 1e-5 * y.abs().max()
+
+
+def test_varlen_adapter_equals_one_sdpa_per_row(monkeypatch):
+    """packed_varlen with torch 2.11's varlen_attn signature (no enable_gqa: K/V heads repeated; causal as
+    window_size=(-1, 0)) gives packed_sdpa's output; the kernel itself is a dense masked SDPA double here."""
+    import torch
+    import torch.nn.attention.varlen as varlen
+    import torch.nn.functional as F
+
+    from l0_min import learner
+
+    def double(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        assert window_size == (-1, 0) and k.shape[1] == q.shape[1] and max_q == max_k == 7
+        t = torch.arange(q.shape[0])
+        row = torch.searchsorted(cu_q[1:].long(), t, right=True)
+        mask = (row[:, None] == row[None, :]) & (t[:, None] >= t[None, :])
+        return F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), attn_mask=mask, scale=scale).transpose(0, 1)
+
+    monkeypatch.setattr(varlen, "varlen_attn", double)
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)  # 2 K/V heads for 4
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    module = torch.nn.Module()
+    module.num_key_value_groups = 2
+    want, _ = learner.packed_sdpa(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
+    got, _ = learner.packed_varlen(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=7,
+                                   kernel=learner.varlen_kernel())
+    assert got.shape == want.shape == (1, 12, 4, 8)
+    assert torch.allclose(got, want, atol=1e-6)  # fp32 softmax over <= 7 keys
+
+
+def test_speed_settings_name_the_field_when_wrong(tmp_path, monkeypatch):
+    import torch
+
+    from l0_min import learner
+    from l0_min.config import ConfigError, resolve
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"learner.activation_checkpointing: unknown 'some' \(none \| full \| selective\)"):
+        learner.apply_activation_checkpointing(model, "some")
+    with pytest.raises(ValueError, match=r"learner.attention: unknown 'flash' \(auto \| rows \| varlen\)"):
+        learner._attention("flash", cuda=False, bf16=False)
+    monkeypatch.setattr(learner, "varlen_kernel", lambda: None)
+    with pytest.raises(ValueError, match="learner.attention=varlen: no varlen kernel"):
+        learner._attention("varlen", cuda=True, bf16=True)
+    assert learner._attention("auto", cuda=True, bf16=True) == learner.PACKED_ATTENTION  # none there: one per row
+    # an older config's bool still loads (true = full), a string too; anything else names the key
+    assert resolve(["learner.activation_checkpointing=true"]).learner.activation_checkpointing is True
+    assert resolve(["learner.activation_checkpointing=selective"]).learner.activation_checkpointing == "selective"
+    with pytest.raises(ConfigError, match="learner.activation_checkpointing: expected"):
+        resolve(["learner.activation_checkpointing=[1]"])
+
+
+def test_selective_checkpointing_recomputes_no_matmul_and_full_recomputes_them_all(tmp_path, monkeypatch):
+    """Counted in backward: "full" reruns each layer's forward (its attention and matmuls: q, k, v, o, gate, up;
+    not down, whose output no backward needs: the recompute stops early); "selective" keeps the matmul and
+    attention outputs and reruns only the elementwise ops."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from l0_min.learner import apply_activation_checkpointing, token_logprobs
+
+    class Count(TorchDispatchMode):
+        def __enter__(self):
+            self.ops = collections.Counter()
+            return super().__enter__()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func).rsplit(".", 1)[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    ids, pos = torch.randint(3, 250, (30,)), torch.cat([torch.arange(12), torch.arange(18)])
+    backward = {}
+    for mode in ("none", "full", "selective"):
+        model, _ = _tiny_logprob_model(tmp_path, monkeypatch)
+        apply_activation_checkpointing(model, mode)
+        logp = token_logprobs(model, ids, pos)
+        with Count() as count:
+            logp.sum().backward()
+        backward[mode] = count.ops
+    layers = model.config.num_hidden_layers
+    mm = lambda ops: ops["aten.mm"] + ops["aten.addmm"]
+    attn = lambda ops: ops["aten._scaled_dot_product_flash_attention_for_cpu"]
+    assert mm(backward["full"]) - mm(backward["none"]) == 6 * layers
+    assert attn(backward["full"]) - attn(backward["none"]) == 2 * layers  # 2 rows per layer
+    assert mm(backward["selective"]) == mm(backward["none"]) and attn(backward["selective"]) == attn(backward["none"])
+    assert backward["selective"]["aten.mul"] > backward["none"]["aten.mul"]  # the elementwise chains, recomputed

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Issue 27 on one GPU, in one run (~6-7 min on an H100; at most 9.5, the timeouts): the learner's MFU before/after
+# for Qwen2.5-3B, 1.5B and 0.5B shapes (bench/learner.py --mfu: progress lines, a table, the before/after log-prob
+# check per shape, one RESULT line per shape; no new row starts after 270 s), then bench/gpu_smoke.py on the tiny
+# model, whose "fast learner" check compares the fast path's log-probs with the eager path's on CUDA.
+# Arguments go to the bench (e.g. --shapes 3b, --after learner.compile=none).
+#   PYTHON=.venv/bin/python bash bench/gpu_learner.sh
+#   SMOKE=0 bash bench/gpu_learner.sh            # the bench only
+set -u
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python}
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+$PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
+timeout ${BENCH_S:-390} $PY bench/learner.py --mfu "$@"
+bench=$?
+smoke=skipped
+if [ "${SMOKE:-1}" != 0 ]; then
+  timeout ${SMOKE_S:-180} $PY -m torch.distributed.run --standalone --nproc_per_node=1 bench/gpu_smoke.py
+  smoke=$?
+fi
+echo "gpu_learner: bench exit $bench, gpu_smoke exit $smoke"
