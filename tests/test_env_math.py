@@ -12,9 +12,17 @@ from pathlib import Path
 import pytest
 
 from l0_min import config as configlib
-from l0_min.episode import Episode, Task
 from l0_min.envs import load_env
-from l0_min.envs.math import KINDS, calc, expert_actions, make_tasks, number_text, numbers_equal, parse_number
+from l0_min.envs.math import (
+    KINDS,
+    calc,
+    expert_actions,
+    make_tasks,
+    number_text,
+    numbers_equal,
+    parse_number,
+)
+from l0_min.episode import Episode
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "benchmarks" / "gsm8k" / "test.jsonl"
@@ -22,6 +30,14 @@ GSM8K = ROOT.parent / "shared" / "data" / "benchmarks" / "gsm8k" / "test.jsonl"
 
 def env(*overrides):
     return load_env("math", configlib.resolve(["env=math", *overrides]))
+
+
+def submitted(action: str) -> str:
+    """What an action's code submits when Python runs it (the kernel's submit_final_answer stubbed)."""
+    got = []
+    exec(action.split("<code>")[1].removesuffix("</code>"),  # noqa: S102 (the expert's own code)
+         {"submit_final_answer": lambda a: got.append(str(a)), "print": lambda *a: None})
+    return got[0]
 
 
 # ---------------------------------------------------------------------------------------------- the grader
@@ -55,7 +71,8 @@ def test_calc_is_exact_and_evaluates_arithmetic_only():
     assert calc("05 * 1.05") == Fraction(21, 4) and calc("12 x 4") == 48 and calc("$1,000 − 1") == 999
     for bad in ("2 ** 9999", "__import__('os')", "1 +", "1/0", "(1", "a * 2", "1" * 400):
         assert calc(bad) is None, bad
-    assert [number_text(Fraction(n, d)) for n, d in ((7, 1), (-7, 4), (1, 3), (1, 1000))] == ["7", "-1.75", "1/3", "0.001"]
+    texts = [number_text(Fraction(n, d)) for n, d in ((7, 1), (-7, 4), (1, 3), (1, 1000))]
+    assert texts == ["7", "-1.75", "1/3", "0.001"]
 
 
 # ------------------------------------------------------------------------------------------- the generator
@@ -85,7 +102,8 @@ def test_synthetic_split_is_disjoint_stable_and_filters_kinds():
     assert len(train) + len(held) == len(every) == 400 and not {t.id for t in train} & {t.id for t in held}
     assert 60 <= len(held) <= 140  # 25% of 400 by a hash of the id
     assert not {t.question for t in train} & {t.question for t in held}
-    more = env("data.synthetic_tasks=800", "data.synthetic_heldout=0.25", "data.synthetic_seed=2").tasks("synthetic:heldout")
+    more = env("data.synthetic_tasks=800", "data.synthetic_heldout=0.25", "data.synthetic_seed=2")
+    more = more.tasks("synthetic:heldout")
     assert {t.id for t in held} <= {t.id for t in more}  # more tasks keep the held-out ones held out
     only = env("data.synthetic_kinds=[share,percent]").tasks("synthetic:train", limit=10)
     assert len(only) == 10 and {t.meta["kind"] for t in only} == {"share", "percent"}
@@ -95,23 +113,25 @@ def test_synthetic_split_is_disjoint_stable_and_filters_kinds():
 
 def test_score_is_0_9_correct_plus_0_1_answered():
     e, t = env(), make_tasks(0, 1)[0]
-    score = lambda answer: e.score(Episode(t, final_answer=answer))  # noqa: E731
+
+    def score(answer):
+        return e.score(Episode(t, final_answer=answer))
+
     assert score(t.answers[0]) == {"core": 1.0, "correct": 1.0}
     assert score(f"{t.answers[0]}.0 stamps") == {"core": 1.0, "correct": 1.0}
     assert score("12") == {"core": pytest.approx(0.1), "correct": 0.0}  # 0.1: answered
     assert score(None) == {"core": 0.0, "correct": 0.0}
-    assert env("reward.em_weight=0.5", "reward.has_answer_weight=0.5").score(Episode(t, final_answer="1"))["core"] == 0.5
+    halves = env("reward.em_weight=0.5", "reward.has_answer_weight=0.5")
+    assert halves.score(Episode(t, final_answer="1"))["core"] == 0.5
     assert e.metrics == ("correct",) and e.tools == () and e.name == "math"
 
 
 def test_expert_states_the_numbers_and_computes_in_code():
     for t in make_tasks(1, 60):
         (action,) = expert_actions(t)
-        think, code = action.split("</think>\n<code>")
-        assert think.startswith("<think>The question gives ") and t.meta["expr"] in think
-        ns = {"submit_final_answer": lambda a: ns.setdefault("submitted", str(a))}
-        exec(code.removesuffix("</code>"), ns)
-        assert numbers_equal(ns["submitted"], t.answers[0]), (t.question, code)
+        think = action.split("</think>")[0]
+        assert think.startswith("<think>The question gives ") and think.endswith(f"{t.meta['expr']}.")
+        assert numbers_equal(submitted(action), t.answers[0]), (t.question, action)
 
 
 # ------------------------------------------------------------------------------------------------ GSM8K
@@ -121,7 +141,8 @@ def test_gsm8k_file_loads_and_its_expert_runs_the_annotations(tmp_path):
     rows = [{"question": "Janet's ducks lay 16 eggs a day. She eats 3 and sells the rest at $2 each. Dollars a day?",
              "answer": "She sells 16 - 3 = <<16-3=13>>13 eggs.\nShe makes 13 * 2 = $<<13*2=26>>26.\n#### 26"},
             {"question": "A tank holds 1,200 liters and loses 45 a day. How much is left after 4 days?",
-             "answer": "It loses 45 * 4 = <<45*4=180>>180 liters.\nSo 1,200 - 180 = 1,020 liters are left.\n#### 1,020"},
+             "answer": "It loses 45 * 4 = <<45*4=180>>180 liters.\nSo 1,200 - 180 = 1,020 liters are left.\n"
+                       "#### 1,020"},
             {"question": "Sam has 5 apples and eats 2. How many are left?",
              "answer": "He has 5 + 2 = <<5+2=7>>7 left.\n#### 3"}]  # a solution that does not compute the gold: no demo
     path = tmp_path / "grade.jsonl"
@@ -129,8 +150,8 @@ def test_gsm8k_file_loads_and_its_expert_runs_the_annotations(tmp_path):
     tasks = env().tasks(str(path))
     assert [t.answers for t in tasks] == [["26"], ["1020"], ["3"]] and tasks[0].id == "grade:1"
     assert tasks[1].meta["solution"].endswith("1,020 liters are left.")
-    assert expert_actions(tasks[0]) == ["<think>The question gives 16, 3, 2. I compute 16-3, then 13*2.</think>\n"
-                                        "<code>print(16-3)\nanswer = 13*2\nsubmit_final_answer(answer)</code>"]
+    assert expert_actions(tasks[0]) == [("<think>The question gives 16, 3, 2. I compute 16-3, then 13*2.</think>\n"
+                                         "<code>print(16-3)\nanswer = 13*2\nsubmit_final_answer(answer)</code>")]
     assert "answer = 1200 - 180\n" in expert_actions(tasks[1])[0]  # the unannotated last step
     assert expert_actions(tasks[2]) is None
     (tmp_path / "words.jsonl").write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
@@ -146,9 +167,7 @@ def test_shared_gsm8k_golds_parse_and_the_expert_solves_95_percent():
     # 1257 of 1319 (95.3%): the rest state their last step in words or algebra ("x = 18"), not arithmetic
     assert len(solved) >= 0.95 * len(tasks), len(solved)
     for t in solved[:200]:  # its code gives the gold when Python runs it
-        ns = {"submit_final_answer": lambda a: ns.setdefault("submitted", str(a)), "print": lambda *a: None}
-        exec(expert_actions(t)[0].split("<code>")[1].removesuffix("</code>"), ns)
-        assert numbers_equal(ns["submitted"], t.answers[0]), t.id
+        assert numbers_equal(submitted(expert_actions(t)[0]), t.answers[0]), t.id
 
 
 # ---------------------------------------------------------------------------- through the real kernels
@@ -191,3 +210,13 @@ def test_rollout_expert_solves_math_tasks_through_the_real_kernels_without_searc
     seen = ep["steps"][0]["observation"]
     assert "['submit_final_answer']" in seen and "web_search is not available in this task" in seen, seen
     assert ep["rewards"]["correct"] == 1.0 and len(ep["steps"]) == 2
+
+
+def test_cpu_math_recipe_runs_end_to_end_on_the_tiny_model(tmp_path):
+    """configs/cpu_math.yaml through `bench/agent_learns.py --env math --quick` (train.py: evaluate, SFT on the
+    math expert's episodes, RL, evaluate; tiny-random: the machinery, not learning)."""
+    p = subprocess.run([sys.executable, "bench/agent_learns.py", "--env", "math", "--quick", f"run.out_dir={tmp_path}"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    assert "SFT: 8 expert episodes of 8 tasks" in p.stdout, p.stdout[-3000:]
+    assert "RESULT rl_gain_sampled=" in p.stdout and "RESULT rl_gain_greedy=" in p.stdout

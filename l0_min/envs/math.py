@@ -13,8 +13,10 @@ compute), from which the expert writes its one step. GSM8K's expert runs the sol
 annotations (and the plain equations after the last one) as Python.
 
     >>> t = make_tasks(seed=0, n=50)[2]
-    >>> t.id, t.question, t.answers, t.meta["kind"], t.meta["expr"]
-    ('math0-0002', 'A lamp costs $261. It is on sale at 35% off. What is the sale price in dollars?', ['169.65'], 'discount', '261 - 261 * 35 / 100')
+    >>> t.question
+    'A lamp costs $261. It is on sale at 35% off. What is the sale price in dollars?'
+    >>> t.id, t.answers, t.meta["kind"], t.meta["expr"]
+    ('math0-0002', ['169.65'], 'discount', '261 - 261 * 35 / 100')
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from l0_min import data
 from l0_min.envs import TaskEnvBase
 from l0_min.envs.qa import split
 from l0_min.episode import Episode, Task
-from l0_min.rewards import answer_reward, has_answer
+from l0_min.rewards import answer_reward
 
 _NUMBER = re.compile(r"(?<![\w.])[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:\s*/\s*\d+)?(?![\w])")
 
@@ -94,7 +96,8 @@ def calc(expr: str) -> Fraction | None:
     if len(e) > 300 or "**" in e or not re.fullmatch(r"[\d.+\-*/()\s]+", e):
         return None
     try:
-        return Fraction(eval(re.sub(r"\d*\.?\d+", lambda m: f"F('{m.group()}')", e), {"__builtins__": {}, "F": Fraction}))
+        exact = re.sub(r"\d*\.?\d+", lambda m: f"F('{m.group()}')", e)  # every number a Fraction
+        return Fraction(eval(exact, {"__builtins__": {}, "F": Fraction}))
     except (SyntaxError, ZeroDivisionError, ValueError, TypeError):
         return None
 
@@ -159,7 +162,8 @@ def _templates(r: random.Random, who: str, thing: str, good: str) -> dict:
     def change():
         n, p = R(6, 19), R(12, 49)
         bill = (n * p // 100 + 1) * 100
-        return (f"{who} buys {n} {good}s at ${p} each and pays with ${bill}. How many dollars of change does {who} get?",
+        ask = f"How many dollars of change does {who} get?"
+        return (f"{who} buys {n} {good}s at ${p} each and pays with ${bill}. {ask}",
                 f"{n} {good}s at ${p}, paid with ${bill}", "The change is", f"{bill} - {n} * {p}")
 
     def rate():
@@ -264,7 +268,7 @@ def expert_actions(task: Task) -> list[str] | None:
     <think>The question gives 25 stamps per hour for 28 hours. The total is 25 * 28.</think>
     <code>answer = 25 * 28
     submit_final_answer(answer)</code>
-    >>> t = Task("g1", "Eggs: 16 a day, 3 eaten, sold at $2. Dollars a day?", ["26"], {"solution": "16-3=<<16-3=13>>13. 13*2=26"})
+    >>> t = Task("g1", "16 eggs, 3 eaten, sold at $2. Dollars?", ["26"], {"solution": "16-3=<<16-3=13>>13. 13*2=26"})
     >>> print(expert_actions(t)[0])
     <think>The question gives 16, 3, 2. I compute 16-3, then 13*2.</think>
     <code>print(16-3)
@@ -277,7 +281,8 @@ def expert_actions(task: Task) -> list[str] | None:
         steps = solution_steps(task.meta.get("solution", ""))
         if not steps or not numbers_equal(number_text(calc(steps[-1])), task.answers[0]):
             return None
-        given = ", ".join(dict.fromkeys(m.group().replace(",", "") for m in re.finditer(r"\d[\d,]*(?:\.\d+)?", task.question)))
+        numbers = (m.group().replace(",", "") for m in re.finditer(r"\d[\d,]*(?:\.\d+)?", task.question))
+        given = ", ".join(dict.fromkeys(numbers))
         plan = f"The question gives {given or 'no digits'}. I compute {', then '.join(steps)}."
     code = [f"print({s})" for s in steps[:-1]] + [f"answer = {steps[-1]}", "submit_final_answer(answer)"]
     return [f"<think>{plan}</think>\n<code>" + "\n".join(code) + "</code>"]
