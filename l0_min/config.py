@@ -225,11 +225,12 @@ class SFTConfig:
 @dataclass
 class Source:
     """One task source of a run: `source` as its environment reads it ("synthetic:train", a file, a benchmark
-    name), the environment (empty: the run's `env`), and its share of the training stream."""
+    name), the environment (empty: the run's `env`), its share of the training stream, the task kinds it keeps."""
 
     source: str = "synthetic"
     env: str = ""
     weight: float = 1.0
+    kinds: list[str] = field(default_factory=list)  # keep only tasks of these kinds (meta 'kind'; empty: all)
 
 
 @dataclass

@@ -418,7 +418,8 @@ def _columns(names: list[str], envs: dict) -> list[tuple]:
         if h != "{score}":
             out.append((h, key, w, f))
         elif len(names) == 1:
-            out.append((label(envs[names[0]].metrics[0]), f"reward/{envs[names[0]].metrics[0]}", w, f))
+            head = envs[names[0]].metrics[0]
+            out.append((label(head), f"reward/{head}", max(w, len(label(head)) + 1), f))
         else:
             out += [(n, f"env/{n}/{envs[n].metrics[0]}", max(w, len(n) + 1), f) for n in names]
     return out

@@ -212,6 +212,7 @@ def test_rollout_expert_solves_math_tasks_through_the_real_kernels_without_searc
     assert ep["rewards"]["correct"] == 1.0 and len(ep["steps"]) == 2
 
 
+@pytest.mark.slow
 def test_cpu_math_recipe_runs_end_to_end_on_the_tiny_model(tmp_path):
     """configs/cpu_math.yaml through `bench/agent_learns.py --env math --quick` (train.py: evaluate, SFT on the
     math expert's episodes, RL, evaluate; tiny-random: the machinery, not learning)."""

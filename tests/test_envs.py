@@ -50,6 +50,9 @@ def test_sources_carry_their_environment_and_weights(tmp_path, monkeypatch):
     stream = TaskStream(parts, weights, seed=1)
     drawn = [stream.next().env for _ in range(400)]
     assert 0.68 < drawn.count("letters_env") / 400 < 0.82  # 3:1, and binomial sd 0.022 at n = 400
+    only, _, _ = load_sources(configlib.resolve(["data.train=[{source: synthetic:train, kinds: [lookup]}]"]).data.train,
+                              cfg, limit=5)
+    assert len(only[0]) == 5 and {t.meta["kind"] for t in only[0]} == {"lookup"}  # a source keeps its own kinds
     for bad, message in (("{source: 'words:train', env: letters_env, weight: 0}", "weight must be > 0"),
                          ("{source: /no/such/file.jsonl}", "qa source '/no/such/file.jsonl'")):
         with pytest.raises(ValueError, match=re.escape(message)):

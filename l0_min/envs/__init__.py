@@ -90,7 +90,8 @@ def load_sources(sources, cfg, limit: int | None = None) -> tuple[list[list[Task
         if name not in envs:
             envs[name] = load_env(name, cfg)
         try:
-            tasks = list(envs[name].tasks(s.source, limit))
+            tasks = [t for t in envs[name].tasks(s.source, None if s.kinds else limit)
+                     if not s.kinds or t.meta.get("kind") in s.kinds][:limit]
         except Exception as e:
             raise ValueError(f"{name} source {s.source!r}: {e}") from None
         if not tasks:
