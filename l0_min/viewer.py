@@ -94,12 +94,13 @@ def _step_html(i: int, s: dict) -> str:
 
 def _episode_html(ep: dict, group: str) -> str:
     task, rewards, steps = ep.get("task") or {}, ep.get("rewards") or {}, ep.get("steps") or []
-    status, em, final = str(ep.get("status", "")), rewards.get("em"), ep.get("final_answer")
-    em_mark = ('<span class="em"></span>' if em is None else
-               '<span class="em ok">EM ✓</span>' if em else '<span class="em bad">EM ✗</span>')
+    status, final, env = str(ep.get("status", "")), ep.get("final_answer"), str(task.get("env", "qa"))
+    head = next((k for k in ("em", "correct") if k in rewards), None)  # the headline of QA, of math and files
+    em_mark = ('<span class="em"></span>' if head is None else f'<span class="em {"ok" if rewards[head] else "bad"}">'
+               f'{"EM" if head == "em" else ""} {"✓" if rewards[head] else "✗"}</span>')
     summary = (f'<span class="badge s-{_e(status)}">{_e(status)}</span>'
                f'<span class="rw">{_num(ep.get("reward"), ".2f")}</span>{em_mark}'
-               f'<span class="tid">{_e(task.get("id"))} · g{_e(ep.get("group"))} s{_e(ep.get("sample"))}</span>'
+               f'<span class="tid">{_e(env)} · {_e(task.get("id"))} · g{_e(ep.get("group"))} s{_e(ep.get("sample"))}</span>'
                f'<span class="q">{_e(task.get("question"))}</span>'
                f'<span class="fa">→ {_e(final) if final is not None else "<i>no answer</i>"}</span>'
                f'<span class="ns">{len(steps)} step{"" if len(steps) == 1 else "s"}</span>'
@@ -120,7 +121,7 @@ def _episode_html(ep: dict, group: str) -> str:
         facts.append(("meta", f"<code>{_e(json.dumps(task['meta'], ensure_ascii=False))}</code>"))
     rows = "".join(f"<tr><th>{k}</th><td>{v}</td></tr>" for k, v in facts)
     steps_html = "".join(_step_html(i, s) for i, s in enumerate(steps)) or '<p class="dim">no steps</p>'
-    return (f'<details class="ep" data-status="{_e(status)}" data-step="{_e(group)}">'
+    return (f'<details class="ep" data-status="{_e(status)}" data-step="{_e(group)}" data-env="{_e(env)}">'
             f"<summary>{summary}</summary><table class=facts>{rows}</table>{steps_html}</details>")
 
 
@@ -208,6 +209,7 @@ _PAGE = """<!DOCTYPE html>
 <header><h1>{title} <small id="counts"></small></h1>
 <div class="bar"><span class="lbl2">status</span><span id="boxes"></span>
 <span class="lbl2">step</span><select id="step"><option value="">all steps</option></select>
+<span class="lbl2 envs">environment</span><select id="env" class="envs"><option value="">all</option></select>
 <button id="open">expand all</button><button id="close">collapse all</button>
 <span id="shown" class="dim"></span></div></header>
 <main>{plot}"""
@@ -263,6 +265,9 @@ _JS = """
   const all = sel => Array.from(document.querySelectorAll(sel));
   const eps = all(".ep"), groups = all(".group"), stepSel = document.getElementById("step");
   const shown = document.getElementById("shown"), el = (tag, props) => Object.assign(document.createElement(tag), props);
+  const envSel = document.getElementById("env"), envs = Array.from(new Set(eps.map(e => e.dataset.env))).sort();
+  envs.forEach(v => envSel.append(el("option", {value: v, textContent: v})));
+  all(".envs").forEach(x => { x.hidden = envs.length < 2; });  // a run of one environment needs no choice
 
   // the filter bar, from the episodes on the page: a box per status (known ones first), an option per file
   const count = new Map();
@@ -292,21 +297,24 @@ _JS = """
     if (p.has("step") && Array.from(stepSel.options).some(o => o.value === p.get("step"))) {
       stepSel.value = p.get("step");
     }
+    if (envs.includes(p.get("env"))) envSel.value = p.get("env");
     if (p.get("open") === "all") eps.forEach(e => { e.open = true; });
   }
   function writeHash() {
     const p = new URLSearchParams();
     if (boxes.some(b => !b.checked)) p.set("status", boxes.filter(b => b.checked).map(b => b.value).join(","));
     if (stepSel.value) p.set("step", stepSel.value);
+    if (envSel.value) p.set("env", envSel.value);
     history.replaceState(null, "", p.toString() ? "#" + p.toString() : location.pathname);
   }
   function apply() {
-    const on = new Set(boxes.filter(b => b.checked).map(b => b.value)), step = stepSel.value;
-    eps.forEach(e => { e.hidden = !(on.has(e.dataset.status) && (step === "" || e.dataset.step === step)); });
+    const on = new Set(boxes.filter(b => b.checked).map(b => b.value)), step = stepSel.value, env = envSel.value;
+    eps.forEach(e => { e.hidden = !(on.has(e.dataset.status) && (step === "" || e.dataset.step === step)
+                                    && (env === "" || e.dataset.env === env)); });
     groups.forEach(g => { g.hidden = !g.querySelector(".ep:not([hidden])"); });
     shown.textContent = eps.filter(e => !e.hidden).length + " of " + eps.length + " shown";
   }
-  boxes.concat([stepSel]).forEach(x => x.addEventListener("change", () => { apply(); writeHash(); }));
+  boxes.concat([stepSel, envSel]).forEach(x => x.addEventListener("change", () => { apply(); writeHash(); }));
   document.getElementById("open").onclick = () => eps.forEach(e => { if (!e.hidden) e.open = true; });
   document.getElementById("close").onclick = () => eps.forEach(e => { e.open = false; });
   window.addEventListener("hashchange", () => { readHash(); apply(); });

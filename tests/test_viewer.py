@@ -54,9 +54,9 @@ def episodes_step2():
     uni = Episode(Task("de-1", UNICODE_Q, ["Goethe"]), [
         st("Ich suche nach «Faust».", 'print(web_search("Faust Autor"))', UNICODE_OUT),
     ], final_answer="Goethe", status="answered", reward=1.0, rewards={"answer": 0.8, "em": 1.0}, seconds=1.5)
-    slow = Episode(Task("de-2", "What is the population of Ruritania?", ["5 million"]), [
-        st("Searching.", "import time; time.sleep(99)", "", exec_ok=None),
-    ], status="timeout", reward=0.0, rewards={"answer": 0.0, "em": 0.0}, seconds=300.0)
+    slow = Episode(Task("m-2", "What is 17 times 23?", ["391"], env="math"), [  # another environment's episode
+        st("Compute it.", "import time; time.sleep(99)", "", exec_ok=None),
+    ], status="timeout", reward=0.0, rewards={"core": 0.0, "correct": 0.0}, seconds=300.0)
     return [uni, slow]
 
 
@@ -173,6 +173,9 @@ def test_browser_filters_from_url_hash(run_dir, tmp_path):
     # the filter bar the page's script built from its episodes: a box per status, an option per file
     assert re.findall(r'<input type="checkbox" name="status" value="(\w+)"', dom) == ["answered", "max_steps", "timeout", "env_error"]
     assert '<optgroup label="RL"><option value="step_00001">step_00001 (3)</option><option value="step_00002">' in dom
+    dom = chromium(tmp_path, url + "#env=math", "--dump-dom")  # the environment filter of a mixed run
+    assert shown_eps(dom) == ["timeout"] and "1 of 5 shown" in dom
+    assert re.findall(r'<option value="(\w*)">', dom.split('id="env"')[1].split("</select>")[0]) == ["", "math", "qa"]
 
 
 @pytest.mark.slow
