@@ -39,7 +39,8 @@ from typing import Awaitable, Callable, Iterable
 
 from l0_min.episode import ENV_ERROR, Episode, Task
 from l0_min.log import open_jsonl, read_jsonl, write_jsonl
-from l0_min.rewards import exact_match, f1_score, has_answer, token_f1
+from l0_min.envs.qa import exact_match, f1_score, token_f1
+from l0_min.rewards import has_answer
 
 # The papers' columns: L0's judged SimpleQA, then Search-R1's seven in the order its tables print them; each
 # with its header and the other names a row's data_source gives it (FlashRAG and Search-R1 files differ).

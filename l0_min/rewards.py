@@ -1,4 +1,4 @@
-"""The training reward: the L0 reward terms, and the answer normalisation, exact match and token F1 of QA.
+"""The training reward: the L0 reward terms (the answer normalisation, EM and F1 of QA: l0_min/envs/qa.py).
 
 The RL reward of one episode (defaults of `RewardConfig`):
 
@@ -8,129 +8,15 @@ The RL reward of one episode (defaults of `RewardConfig`):
     exec   = mean over steps that ran code of 1[the code ran without an error]
 
 `score_episode` also spreads that total over the steps for the learner (see its docstring).
-
-Normalisation follows SQuAD / HotpotQA (lowercase, drop punctuation, drop a/an/the, collapse
-whitespace) but is Unicode-aware, where the L0 / SQuAD code keeps only what `string.punctuation`
-knows and L0 drops non-ASCII letters. Lenient on purpose, for a reward; evaluate.py reports the
-official scores (`l0_min.evaluation.official_normalize`) and this one as an extra column:
-
-    >>> normalize_answer("The  Café, Paris!")
-    'café paris'
-    >>> normalize_answer("U.S. $1,000")
-    'us 1000'
-
-Decisions, so that two spellings of the same answer compare equal:
-- NFKC first: composed and decomposed accents become one form ("e" + U+0301 -> "é"),
-  full-width and ligature forms fold ("Ｔｏｋｙｏ" -> "tokyo", "ﬁ" -> "fi"), "²" -> "2".
-- `str.casefold` instead of `lower` ("Straße" == "STRASSE"); identical on ASCII.
-- punctuation is every character whose Unicode category is P* or S* (on ASCII this is exactly
-  `string.punctuation`), removed without inserting a space, as SQuAD does ("U.S." -> "us").
-  Accented letters, CJK, digits and combining marks stay.
-- no accent stripping: "café" != "cafe", as the gold spelling is what counts.
 """
 
 from __future__ import annotations
 
 import re
-import unicodedata
-from collections import Counter
 from typing import Iterable
 
 from l0_min.config import RewardConfig
 from l0_min.episode import Episode
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD/HotpotQA normalisation, Unicode-aware (see the module docstring).
-
-    >>> normalize_answer("An Apple a day")
-    'apple day'
-    >>> normalize_answer("Ｔｏｋｙｏ")
-    'tokyo'
-    >>> normalize_answer("  ")
-    ''
-    """
-    if not isinstance(s, str):
-        raise TypeError(f"normalize_answer expects a str, got {type(s).__name__}: {s!r}")
-    s = unicodedata.normalize("NFKC", s).casefold()
-    s = "".join(ch for ch in s if unicodedata.category(ch)[0] not in "PS")  # punctuation and symbols
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
-
-
-def light_normalize(s: str) -> str:
-    """NFKC, casefold and collapse whitespace only: used for a gold that `normalize_answer` maps to
-    "" (NQ has "A+" and "---"), so such a gold can still be matched exactly.
-
-    >>> normalize_answer("A+"), light_normalize(" A+ ")
-    ('', 'a+')
-    """
-    return " ".join(unicodedata.normalize("NFKC", s).casefold().split())
-
-
-def _golds(golds: str | Iterable[str]) -> list[str]:
-    golds = [golds] if isinstance(golds, str) else list(golds)
-    if not golds:
-        raise ValueError("no gold answers given")
-    return golds
-
-
-def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
-    """1.0 when the normalised prediction equals a normalised gold alias, else 0.0.
-
-    A blank (or None) prediction never matches: nothing submitted earns nothing. A gold that
-    normalises to "" (only punctuation and articles, e.g. "A+") is compared with `light_normalize`
-    instead, where SQuAD's code would match it with any all-punctuation prediction.
-
-    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"])
-    1.0
-    >>> exact_match("Eiffel", ["Eiffel Tower"])
-    0.0
-    >>> exact_match("", [""]), exact_match("a+", ["A+"]), exact_match("?", ["A+"])
-    (0.0, 1.0, 0.0)
-    """
-    golds = _golds(golds)
-    if not has_answer(prediction):
-        return 0.0
-    p, p_light = normalize_answer(prediction), light_normalize(prediction)
-    for g in golds:
-        g_norm = normalize_answer(g)
-        if (g_norm and p == g_norm) or (not g_norm and p_light == light_normalize(g)):
-            return 1.0
-    return 0.0
-
-
-def token_f1(p: str, g: str) -> float:
-    """Token F1 of two normalised answers, as HotpotQA's official f1_score (also used by the official
-    scores of l0_min.evaluation): yes / no / noanswer on either side must match exactly.
-
-    >>> token_f1("barack obama", "obama"), token_f1("no", "no way"), token_f1("", "x")
-    (0.6666666666666666, 0.0, 0.0)
-    """
-    if (p in ("yes", "no", "noanswer") or g in ("yes", "no", "noanswer")) and p != g:
-        return 0.0
-    same = sum((Counter(p.split()) & Counter(g.split())).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(p.split()), same / len(g.split())
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
-    """Best token F1 over the gold aliases, 0.0 unanswered. A gold of only punctuation / articles
-    ("A+") scores all or nothing, as in exact_match.
-
-    >>> f1_score("the president Barack Obama", ["Obama", "Barack Obama"]), f1_score("a+", ["A+"])
-    (0.8, 1.0)
-    """
-    golds = _golds(golds)
-    if not has_answer(prediction):
-        return 0.0
-    p = normalize_answer(prediction)
-    return max(token_f1(p, g_norm) if (g_norm := normalize_answer(g)) else exact_match(prediction, [g]) for g in golds)
-
 
 def has_answer(prediction: str | None) -> bool:
     """A final answer was submitted and has a letter or a digit (not blank, not only punctuation).
@@ -141,15 +27,13 @@ def has_answer(prediction: str | None) -> bool:
     return prediction is not None and any(ch.isalnum() for ch in prediction)
 
 
-def answer_reward(prediction: str | None, golds: str | Iterable[str], em_weight: float = 0.9,
-                  has_answer_weight: float = 0.1, correct: float | None = None) -> float:
-    """L0's final-answer reward: 0.9 * EM + 0.1 * has_answer; `correct` (e.g. F1) replaces EM when given.
+def answer_reward(prediction: str | None, correct: float, em_weight: float = 0.9, has_answer_weight: float = 0.1) -> float:
+    """L0's final-answer reward: 0.9 * correct (QA: EM) + 0.1 * has_answer, the `core` of the environments.
 
-    >>> answer_reward("Paris", ["Paris"]), answer_reward("Lyon", ["Paris"]), answer_reward(None, ["Paris"])
+    >>> answer_reward("Paris", 1.0), answer_reward("Lyon", 0.0), answer_reward(None, 0.0)
     (1.0, 0.1, 0.0)
     """
-    score = exact_match(prediction, golds) if correct is None else float(correct)
-    return em_weight * score + has_answer_weight * float(has_answer(prediction))
+    return em_weight * float(correct) + has_answer_weight * float(has_answer(prediction))
 
 
 _THINK = re.compile(r"<think>(.*?)</think>", re.S)

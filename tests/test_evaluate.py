@@ -49,7 +49,7 @@ from l0_min.evaluation import (
     two_proportion_z_test,
     wilson_interval,
 )
-from l0_min.rewards import exact_match, f1_score
+from l0_min.envs.qa import exact_match, f1_score
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data" / "benchmarks"

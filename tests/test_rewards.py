@@ -3,17 +3,8 @@ import pytest
 
 from l0_min.config import RewardConfig
 from l0_min.episode import Episode, Step, Task
-from l0_min.rewards import (
-    answer_reward,
-    exact_match,
-    exec_score,
-    f1_score,
-    format_ok,
-    has_answer,
-    normalize_answer,
-    score_episode,
-    token_f1,
-)
+from l0_min.envs.qa import exact_match, f1_score, normalize_answer, token_f1
+from l0_min.rewards import answer_reward, exec_score, format_ok, has_answer, score_episode
 
 
 @pytest.mark.parametrize("raw, norm", [
@@ -103,13 +94,14 @@ def test_has_answer_and_answer_reward():
     assert has_answer("0") and not has_answer("") and not has_answer(" \n") and not has_answer(None)
     # issue 13: punctuation alone is not an answer (and earns no has_answer reward); a word with it is
     assert not has_answer("|") and not has_answer(" ... ") and not has_answer("—") and has_answer("A+") and has_answer("東京")
-    assert answer_reward("|", ["Paris"]) == 0.0 and f1_score("|", ["|"]) == 0.0
-    assert answer_reward("Paris", ["paris"]) == 1.0
-    assert answer_reward("Lyon", ["Paris"]) == 0.1
-    assert answer_reward("", ["Paris"]) == 0.0
-    assert answer_reward(None, ["Paris"]) == 0.0
-    assert answer_reward("Lyon", ["Paris"], correct=0.5) == pytest.approx(0.55, abs=1e-15)
-    assert answer_reward("Paris", ["Paris"], em_weight=1.0, has_answer_weight=0.0) == 1.0
+    em = lambda pred: exact_match(pred, ["Paris"])
+    assert answer_reward("|", em("|")) == 0.0 and f1_score("|", ["|"]) == 0.0
+    assert answer_reward("paris", em("paris")) == 1.0
+    assert answer_reward("Lyon", em("Lyon")) == 0.1
+    assert answer_reward("", em("")) == 0.0
+    assert answer_reward(None, em(None)) == 0.0
+    assert answer_reward("Lyon", 0.5) == pytest.approx(0.55, abs=1e-15)
+    assert answer_reward("Paris", 1.0, em_weight=1.0, has_answer_weight=0.0) == 1.0
 
 
 @pytest.mark.parametrize("text, ok", [

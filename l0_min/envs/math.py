@@ -327,7 +327,7 @@ class Math(TaskEnvBase):
         """L0's answer reward with numeric equivalence in place of exact match: 0.9 * correct + 0.1 * answered."""
         r = self.cfg.reward
         correct = float(any(numbers_equal(ep.final_answer, g) for g in ep.task.answers))
-        return {"core": answer_reward(ep.final_answer, ep.task.answers, r.em_weight, r.has_answer_weight, correct),
+        return {"core": answer_reward(ep.final_answer, correct, r.em_weight, r.has_answer_weight),
                 "correct": correct}
 
     def expert(self, task: Task) -> list[str] | None:

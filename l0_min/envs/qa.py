@@ -38,12 +38,15 @@ import hashlib
 import json
 import random
 import re
+import unicodedata
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Iterable
 
 from l0_min import data
 from l0_min.envs import TaskEnvBase
 from l0_min.episode import Episode, Task
-from l0_min.rewards import answer_reward, exact_match, f1_score, has_answer
+from l0_min.rewards import answer_reward, has_answer
 
 # ---------------------------------------------------------------------------------------- names
 
@@ -425,6 +428,120 @@ def expert_actions(task: Task) -> list[str]:
     return actions + [f"<think>{read[-1]}</think>\n<code>submit_final_answer({answer})</code>"]
 
 
+# ------------------------------------------------------------------- answers: normalisation, EM, F1
+
+# Normalisation follows SQuAD / HotpotQA (lowercase, drop punctuation, drop a/an/the, collapse
+# whitespace) but is Unicode-aware, where the L0 / SQuAD code keeps only what `string.punctuation`
+# knows and L0 drops non-ASCII letters. Lenient on purpose, for a reward; evaluate.py reports the
+# official scores (`l0_min.evaluation.official_normalize`) and this one as an extra column:
+# 
+#     >>> normalize_answer("The  Café, Paris!")
+#     'café paris'
+#     >>> normalize_answer("U.S. $1,000")
+#     'us 1000'
+# 
+# Decisions, so that two spellings of the same answer compare equal:
+# - NFKC first: composed and decomposed accents become one form ("e" + U+0301 -> "é"),
+#   full-width and ligature forms fold ("Ｔｏｋｙｏ" -> "tokyo", "ﬁ" -> "fi"), "²" -> "2".
+# - `str.casefold` instead of `lower` ("Straße" == "STRASSE"); identical on ASCII.
+# - punctuation is every character whose Unicode category is P* or S* (on ASCII this is exactly
+#   `string.punctuation`), removed without inserting a space, as SQuAD does ("U.S." -> "us").
+#   Accented letters, CJK, digits and combining marks stay.
+# - no accent stripping: "café" != "cafe", as the gold spelling is what counts.
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(s: str) -> str:
+    """SQuAD/HotpotQA normalisation, Unicode-aware (see the module docstring).
+
+    >>> normalize_answer("An Apple a day")
+    'apple day'
+    >>> normalize_answer("Ｔｏｋｙｏ")
+    'tokyo'
+    >>> normalize_answer("  ")
+    ''
+    """
+    if not isinstance(s, str):
+        raise TypeError(f"normalize_answer expects a str, got {type(s).__name__}: {s!r}")
+    s = unicodedata.normalize("NFKC", s).casefold()
+    s = "".join(ch for ch in s if unicodedata.category(ch)[0] not in "PS")  # punctuation and symbols
+    s = _ARTICLES.sub(" ", s)
+    return " ".join(s.split())
+
+
+def light_normalize(s: str) -> str:
+    """NFKC, casefold and collapse whitespace only: used for a gold that `normalize_answer` maps to
+    "" (NQ has "A+" and "---"), so such a gold can still be matched exactly.
+
+    >>> normalize_answer("A+"), light_normalize(" A+ ")
+    ('', 'a+')
+    """
+    return " ".join(unicodedata.normalize("NFKC", s).casefold().split())
+
+
+def _golds(golds: str | Iterable[str]) -> list[str]:
+    golds = [golds] if isinstance(golds, str) else list(golds)
+    if not golds:
+        raise ValueError("no gold answers given")
+    return golds
+
+
+def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """1.0 when the normalised prediction equals a normalised gold alias, else 0.0.
+
+    A blank (or None) prediction never matches: nothing submitted earns nothing. A gold that
+    normalises to "" (only punctuation and articles, e.g. "A+") is compared with `light_normalize`
+    instead, where SQuAD's code would match it with any all-punctuation prediction.
+
+    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"])
+    1.0
+    >>> exact_match("Eiffel", ["Eiffel Tower"])
+    0.0
+    >>> exact_match("", [""]), exact_match("a+", ["A+"]), exact_match("?", ["A+"])
+    (0.0, 1.0, 0.0)
+    """
+    golds = _golds(golds)
+    if not has_answer(prediction):
+        return 0.0
+    p, p_light = normalize_answer(prediction), light_normalize(prediction)
+    for g in golds:
+        g_norm = normalize_answer(g)
+        if (g_norm and p == g_norm) or (not g_norm and p_light == light_normalize(g)):
+            return 1.0
+    return 0.0
+
+
+def token_f1(p: str, g: str) -> float:
+    """Token F1 of two normalised answers, as HotpotQA's official f1_score (also used by the official
+    scores of l0_min.evaluation): yes / no / noanswer on either side must match exactly.
+
+    >>> token_f1("barack obama", "obama"), token_f1("no", "no way"), token_f1("", "x")
+    (0.6666666666666666, 0.0, 0.0)
+    """
+    if (p in ("yes", "no", "noanswer") or g in ("yes", "no", "noanswer")) and p != g:
+        return 0.0
+    same = sum((Counter(p.split()) & Counter(g.split())).values())
+    if same == 0:
+        return 0.0
+    precision, recall = same / len(p.split()), same / len(g.split())
+    return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
+    """Best token F1 over the gold aliases, 0.0 unanswered. A gold of only punctuation / articles
+    ("A+") scores all or nothing, as in exact_match.
+
+    >>> f1_score("the president Barack Obama", ["Obama", "Barack Obama"]), f1_score("a+", ["A+"])
+    (0.8, 1.0)
+    """
+    golds = _golds(golds)
+    if not has_answer(prediction):
+        return 0.0
+    p = normalize_answer(prediction)
+    return max(token_f1(p, g_norm) if (g_norm := normalize_answer(g)) else exact_match(prediction, [g]) for g in golds)
+
+
 # ------------------------------------------------------------------------------- the environment
 
 SYSTEM_PROMPT = """\
@@ -481,7 +598,7 @@ class QA(TaskEnvBase):
         em, f1 = exact_match(pred, golds), f1_score(pred, golds)
         if r.answer_metric not in ("em", "f1"):
             raise ValueError(f"reward.answer_metric must be 'em' or 'f1', got {r.answer_metric!r}")
-        core = answer_reward(pred, golds, r.em_weight, r.has_answer_weight, f1 if r.answer_metric == "f1" else None)
+        core = answer_reward(pred, f1 if r.answer_metric == "f1" else em, r.em_weight, r.has_answer_weight)
         return {"core": core, "em": em, "f1": f1, "has_answer": float(has_answer(pred))}
 
     def expert(self, task: Task) -> list[str]:
