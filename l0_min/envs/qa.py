@@ -433,13 +433,7 @@ def expert_actions(task: Task) -> list[str]:
 # Normalisation follows SQuAD / HotpotQA (lowercase, drop punctuation, drop a/an/the, collapse
 # whitespace) but is Unicode-aware, where the L0 / SQuAD code keeps only what `string.punctuation`
 # knows and L0 drops non-ASCII letters. Lenient on purpose, for a reward; evaluate.py reports the
-# official scores (`l0_min.evaluation.official_normalize`) and this one as an extra column:
-# 
-#     >>> normalize_answer("The  Café, Paris!")
-#     'café paris'
-#     >>> normalize_answer("U.S. $1,000")
-#     'us 1000'
-# 
+# official scores (`l0_min.evaluation.official_normalize`) and this one as an extra column.
 # Decisions, so that two spellings of the same answer compare equal:
 # - NFKC first: composed and decomposed accents become one form ("e" + U+0301 -> "é"),
 #   full-width and ligature forms fold ("Ｔｏｋｙｏ" -> "tokyo", "ﬁ" -> "fi"), "²" -> "2".
@@ -453,8 +447,10 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 def normalize_answer(s: str) -> str:
-    """SQuAD/HotpotQA normalisation, Unicode-aware (see the module docstring).
+    """SQuAD/HotpotQA normalisation, Unicode-aware (see the comment above).
 
+    >>> normalize_answer("The  Café, Paris!"), normalize_answer("U.S. $1,000")
+    ('café paris', 'us 1000')
     >>> normalize_answer("An Apple a day")
     'apple day'
     >>> normalize_answer("Ｔｏｋｙｏ")
