@@ -24,8 +24,7 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
     >>> discounted_returns([0.1, 0.1, 0.9], gamma=1.0)
     [1.1, 1.0, 0.9]
     """
-    out = [0.0] * len(rewards)
-    running = 0.0
+    out, running = [0.0] * len(rewards), 0.0
     for t in range(len(rewards) - 1, -1, -1):
         running = rewards[t] + gamma * running
         out[t] = round(running, 12)
@@ -69,13 +68,8 @@ def reinforce_pp_advantages(step_rewards: list[list[float]], gamma: float = 1.0,
     >>> reinforce_pp_advantages([[1.0], [0.0, 0.0, 0.0]], gamma=1.0, eps=0.0)
     [[1.732051], [-0.57735, -0.57735, -0.57735]]
     """
-    flat = [r for traj in step_rewards for r in discounted_returns(traj, gamma)]
-    norm = zscore(flat, eps)
-    out, i = [], 0
-    for traj in step_rewards:
-        out.append(norm[i : i + len(traj)])
-        i += len(traj)
-    return out
+    norm = iter(zscore([r for traj in step_rewards for r in discounted_returns(traj, gamma)], eps))
+    return [[next(norm) for _ in traj] for traj in step_rewards]  # back into trajectories
 
 
 def _by_group(values: list[float], groups: list[int]) -> dict[int, list[int]]:
@@ -117,9 +111,8 @@ def rloo_advantages(outcomes: list[float], groups: list[int]) -> list[float]:
     return out
 
 
-def step_advantages(
-    step_rewards: list[list[float]], groups: list[int], method: str = "reinforce++", gamma: float = 1.0, eps: float = 1e-6
-) -> list[list[float]]:
+def step_advantages(step_rewards: list[list[float]], groups: list[int], method: str = "reinforce++", gamma: float = 1.0,
+                    eps: float = 1e-6) -> list[list[float]]:
     """Per-step advantages for a batch, by `method` (AlgoConfig.advantage).
 
     GRPO and RLOO are outcome methods: the trajectory's total reward is normalised and every step
@@ -155,22 +148,13 @@ def dynamic_sampling_keep(core_rewards: list[float], groups: list[int]) -> list[
     >>> dynamic_sampling_keep([0, 0, 1, 1, 0, 1, 0.1, 0.1], [0, 0, 1, 1, 2, 2, 3, 3])
     [False, False, False, False, True, True, False, False]
     """
-    keep = [True] * len(core_rewards)
-    for idx in _by_group(core_rewards, groups).values():
-        if len({core_rewards[i] for i in idx}) == 1:
-            for i in idx:
-                keep[i] = False
-    return keep
+    by_group = _by_group(core_rewards, groups)
+    varied = {g for g, idx in by_group.items() if len({core_rewards[i] for i in idx}) > 1}
+    return [g in varied for g in groups]
 
 
-def sample_weights(
-    env_failed: list[bool],
-    failed: list[bool],
-    n_tokens: list[int],
-    *,
-    mask_env_failures: bool = False,
-    max_failed_tokens: int = 0,
-) -> list[float]:
+def sample_weights(env_failed: list[bool], failed: list[bool], n_tokens: list[int], *,
+                   mask_env_failures: bool = False, max_failed_tokens: int = 0) -> list[float]:
     """Per-trajectory loss weights from the ROLL team's stabilisers (all off by default).
 
     - mask_env_failures: an episode that failed for environment reasons (sandbox, kernel, tool
@@ -183,15 +167,8 @@ def sample_weights(
     >>> sample_weights([False, True], [False, True], [10, 10])
     [1.0, 1.0]
     """
-    out = []
-    for env, fail, n in zip(env_failed, failed, n_tokens):
-        w = 1.0
-        if mask_env_failures and env:
-            w = 0.0
-        if max_failed_tokens > 0 and fail and n > max_failed_tokens:
-            w = 0.0
-        out.append(w)
-    return out
+    return [0.0 if (mask_env_failures and env) or (fail and 0 < max_failed_tokens < n) else 1.0
+            for env, fail, n in zip(env_failed, failed, n_tokens)]
 
 
 def shape_advantages(advs: list[list[float]], neg_weight: float = 1.0, positive_only: bool = False) -> list[list[float]]:

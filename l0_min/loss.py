@@ -31,14 +31,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     raise ValueError(f"algo.kl_estimator: unknown estimator {estimator!r} (k1 | k2 | k3)")
 
 
-def policy_loss(
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    adv: torch.Tensor,
-    mask: torch.Tensor,
-    n_tokens_global: float,
-    clip_eps: float | None = None,
-) -> torch.Tensor:
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
+                n_tokens_global: float, clip_eps: float | None = None) -> torch.Tensor:
     """DAPO token-level policy-gradient loss: the sum over action tokens divided by the number of
     action tokens in the WHOLE global batch (all micro-batches, all ranks), so long and short
     trajectories weigh per token, and micro-batching does not change the gradient.
