@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -112,11 +114,9 @@ def check_gpu_free(device: torch.device, min_free: float = 0.5) -> None:
     """Stop with one line if another process (an inference server) already holds this GPU."""
     free, total = torch.cuda.mem_get_info(device)
     if free < min_free * total:
-        raise RuntimeError(
-            f"GPU {device.index} already has {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use (an "
-            "inference server?); give the learner its own GPUs, e.g. CUDA_VISIBLE_DEVICES=0,1,2,3 torchrun ... "
-            "and the servers CUDA_VISIBLE_DEVICES=4,5,6,7"
-        )
+        raise RuntimeError(f"GPU {device.index} already has {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in "
+                           "use (an inference server?); give the learner its own GPUs, e.g. CUDA_VISIBLE_DEVICES=0,1,2,3 "
+                           "torchrun ... and the servers CUDA_VISIBLE_DEVICES=4,5,6,7")
 
 
 def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
@@ -327,7 +327,6 @@ def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tens
     longest = int((cu[1:] - cu[:-1]).max())
     want = pos != 0 if need is None else (need.bool() & (pos != 0))
     if not want.any():  # a zero-weight filler: keep one position so the graph still reaches every weight
-        want = want.clone()
         want[-1] = True
     idx = torch.nonzero(want).flatten()  # positions t; their logits come from position t - 1
     head = model.lm_head
@@ -353,18 +352,6 @@ def _lr_lambda(cfg: LearnerConfig, total_steps: int):
         return 1.0
 
     return f
-
-
-def _shard(model: torch.nn.Module, mixed_precision: bool) -> torch.nn.Module:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    kw = {}
-    if mixed_precision:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in _layers(model):
-        fully_shard(layer, **kw)
-    fully_shard(model, **kw)
-    return model
 
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -413,10 +400,6 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if str(op).rsplit(".", 1)[0] in _SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _recompute(forward, policy: dict, *args, **kwargs):
-    return checkpoint(forward, *args, use_reentrant=False, **policy, **kwargs)
-
-
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str | bool) -> None:
     """learner.activation_checkpointing: recompute each decoder layer in backward. "full" keeps the layer's
     input only (hidden floats per token and layer); "selective" also keeps the matmul and attention outputs
@@ -427,8 +410,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str | bool) -> 
     policies = {"none": None, "full": {}, "selective": sac}
     if mode not in policies:
         raise ValueError(f"learner.activation_checkpointing: unknown {mode!r} (none | full | selective)")
-    for layer in _layers(model) if mode != "none" else ():
-        layer.forward = functools.partial(_recompute, layer.forward, policies[mode])  # FSDP's hooks stay outside
+    for layer in _layers(model) if mode != "none" else ():  # FSDP's hooks stay outside
+        layer.forward = functools.partial(checkpoint, layer.forward, use_reentrant=False, **policies[mode])
 
 
 def apply_compile(model: torch.nn.Module, backend: str) -> None:
@@ -455,7 +438,9 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
         add_lora(model, cfg)
     apply_activation_checkpointing(model, cfg.activation_checkpointing if train else "none")
     apply_compile(model, cfg.compile)
-    _shard(model, mixed)
+    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    for m in [*_layers(model), model]:  # every decoder layer, then the root
+        fully_shard(m, **mp)
     model.eval()  # dropout off (the checkpointing above is ours, not transformers' training-mode one)
     model.to_empty(device=device)  # then the broadcast lands on the device (a meta model would be loaded on CPU)
     # a copy: set_model_state_dict puts the sharded tensors into the dict it is given (the KL reference's
@@ -630,8 +615,6 @@ class Learner:
 
     def save(self, ckpt_dir: str | Path, extra: dict | None = None) -> None:
         """Model + optimizer (torch.distributed.checkpoint), scheduler, step, RNG, caller's extra."""
-        import torch.distributed.checkpoint as dcp
-
         ckpt_dir = Path(ckpt_dir)
         dcp.save(self._dcp_state(), checkpoint_id=str(ckpt_dir / "dcp"))
         rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -643,8 +626,6 @@ class Learner:
 
     def load(self, ckpt_dir: str | Path) -> dict:
         """Restore everything `save` wrote; returns the caller's `extra`."""
-        import torch.distributed.checkpoint as dcp
-
         ckpt_dir = Path(ckpt_dir)
         if not (ckpt_dir / "learner.json").is_file():
             raise FileNotFoundError(f"{ckpt_dir}: not a checkpoint (learner.json missing)")
