@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import math
 
+
 # ----------------------------------------------------------------------- returns and advantages
-
-
 def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
     """REINFORCE++ step returns of one trajectory: R_t = r_t + gamma * R_{t+1}.
 
@@ -136,8 +135,6 @@ def step_advantages(step_rewards: list[list[float]], groups: list[int], method: 
 
 
 # ---------------------------------------------------------------------- filters and stabilisers
-
-
 def dynamic_sampling_keep(core_rewards: list[float], groups: list[int]) -> list[bool]:
     """DAPO dynamic sampling: False for every sample of a group whose core reward has no variance.
 

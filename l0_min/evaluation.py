@@ -64,8 +64,6 @@ class EvalError(ValueError):
 
 
 # ------------------------------------ the official scores (hotpot_evaluate_v1.py / SQuAD v1.1)
-
-
 def official_normalize(s: str) -> str:
     """hotpot_evaluate_v1.py's normalize_answer, exactly: lower, drop string.punctuation, drop the
     articles a/an/the, collapse white space. (ASCII-only: "’" and full-width letters stay.)
@@ -94,8 +92,6 @@ def official_f1(prediction: str | None, golds: Iterable[str]) -> float:
 
 
 # ------------------------------------------------------------------------------------- records
-
-
 def make_record(task: Task, sample: int, prediction: str | None, status: str, steps: int | None = 0,
                 seconds: float = 0.0, error: str = "") -> dict:
     """One finished (question, sample), scored against every gold alias, officially and leniently.
@@ -130,7 +126,6 @@ def first_line(text: str) -> str:
 
 
 # ---------------- the LLM judge, SimpleQA style: A = correct, B = incorrect, C = not attempted
-
 CORRECT, INCORRECT, NOT_ATTEMPTED, UNPARSED = "correct", "incorrect", "not_attempted", "unparsed"
 GRADES = (CORRECT, INCORRECT, NOT_ATTEMPTED, UNPARSED)
 _LETTER = dict(zip("ABC", GRADES))
@@ -214,8 +209,6 @@ async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]]
 
 
 # ---------------------------------------------------------------------------- the results file
-
-
 def read_results(path: str | Path) -> list[dict]:
     """The records of a results.jsonl (a torn last line left by a kill is left out). A bad line
     elsewhere, or a record without a string `id` and an integer `sample`, is an EvalError naming it."""
@@ -293,8 +286,6 @@ def check_run_info(path: str | Path, info: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------- statistics
-
-
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k (Chen et al. 2021): the chance that k of the n samples, drawn without
     replacement, include one of the c correct ones. With k == n: 1.0 if any sample is correct.
@@ -342,8 +333,6 @@ def two_proportion_z_test(c1: float, n1: int, c2: float, n2: int) -> tuple[float
 
 
 # --------------------------------------------------------------------------------- the summary
-
-
 def summarize(records: list[dict], k: int | None = None, judged: bool = False) -> dict:
     """Aggregate metrics of finished samples (pure, exact): the one scoring path of evaluate.py and of
     the in-training evaluation.
@@ -425,8 +414,6 @@ def format_summary(m: dict) -> str:
 
 
 # -------------------------------------------------------------------------------------- tables
-
-
 # (header, where the cell is in a summary row: its own key or metrics' keys, format); text columns are left
 # aligned, and the judge columns (judge.*) are shown only when a row was judged
 COLUMNS = [

@@ -47,9 +47,8 @@ from l0_min import loss as losses
 from l0_min.config import AlgoConfig, LearnerConfig
 from l0_min.episode import Row
 
+
 # -------------------------------------------------------------------------------- process group
-
-
 def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, int, torch.device]:
     """Join the torchrun process group (or make a 1-rank group for plain `python`) on `device` (learner.device:
     auto = CUDA when torch can use it; cuda = RuntimeError with the reason when it cannot; cpu).
@@ -127,8 +126,6 @@ def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) 
 
 
 # -------------------------------------------------------------------------------------- packing
-
-
 def pack_rows(rows: list[Row], budget: int) -> list[list[Row]]:
     """First-fit-decreasing packing of rows into micro-batches of at most `budget` tokens.
 
@@ -179,7 +176,6 @@ def _concat(mb: list[Row], device) -> dict[str, torch.Tensor]:
 # transformers' attention call on a packed micro-batch ([1, heads, tokens, head_dim], `cu_seq_lens_q` = row
 # bounds [0, len0, len0+len1, ..., tokens]), causal within each row: sum(row_len^2) work, no mask ("sdpa" would
 # build a dense block-diagonal one over the micro-batch: work ~ micro_batch_tokens^2).
-
 PACKED_ATTENTION, VARLEN_ATTENTION = "l0_packed_sdpa", "l0_packed_varlen"
 
 
@@ -241,8 +237,6 @@ def _attention(choice: str, cuda: bool, bf16: bool) -> str:
 
 
 # -------------------------------------------------------------------------------------- LM head
-
-
 def _logp_lse(z: torch.Tensor, targets: torch.Tensor, inv_t: float) -> tuple[torch.Tensor, torch.Tensor]:
     """One chunk's log p(target) and logsumexp at temperature 1 / inv_t, in fp32, from its logits `z`."""
     z = z.float() * inv_t
@@ -337,8 +331,6 @@ def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tens
 
 
 # ---------------------------------------------------------------------------------- the learner
-
-
 def _lr_lambda(cfg: LearnerConfig, total_steps: int):
     def f(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:
@@ -382,8 +374,6 @@ def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.T
 
 # ---------------------------------------------------------------------- speed paths (torchtitan's style)
 # apply_* functions over the plain model, chosen by learner.* settings, composed in `_build` (not in train_step)
-
-
 def _layers(model: torch.nn.Module):
     if (layers := getattr(getattr(model, "model", model), "layers", None)) is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
@@ -490,7 +480,6 @@ class Learner:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(self.cfg, total_steps))
 
     # -- one RL update -------------------------------------------------------------------------
-
     def train_step(self, rows: list[Row], sft: bool = False) -> dict:
         """One update from this rank's rows (`ppo_epochs` optimizer steps when > 1).
 
@@ -577,7 +566,6 @@ class Learner:
         return stats
 
     # -- weights out ---------------------------------------------------------------------------
-
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """The unsharded weights, cast to `dtype` (a collective: every rank calls; rank 0 gets the CPU
         tensors). One tensor is gathered at a time, so rank 0 holds one host copy, in `dtype`."""
@@ -609,7 +597,6 @@ class Learner:
         return folder if self.rank == 0 else None
 
     # -- checkpoint ----------------------------------------------------------------------------
-
     def _dcp_state(self) -> dict:
         return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt)}
 

@@ -62,8 +62,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
 
 
 # ---- the behaviour policy: the sampler's log-probs (behav) against the learner's at the start of the step (prox)
-
-
 def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float = 0.0,
                       band: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token correction for tokens the sampler drew: (weight, keep).

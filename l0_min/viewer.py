@@ -64,8 +64,6 @@ def _jsonl_files(src) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------ rendering
-
-
 def _pre(label: str, text: str, cls: str) -> str:
     return f'<div class="blk {cls}"><div class="lbl">{label}</div><pre>{_e(text)}</pre></div>' if text else ""
 
