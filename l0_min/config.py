@@ -278,8 +278,6 @@ class Config:
 
 
 # ---------------------------------------------------------------- loading, overriding, checking
-
-
 def _check(value, tp, key: str):
     """`value` as type `tp`, or ConfigError naming `key`. Ints pass for floats, numbers for strings, "a,b"
     (a command-line value) for a list, a mapping or a string (its first field) for a section in a list."""
@@ -308,11 +306,10 @@ def _check(value, tp, key: str):
 
 def _apply(node, updates: dict, prefix: str = ""):
     hints = typing.get_type_hints(type(node))  # field name -> type, in field order
-    names = list(hints)
     for k, v in updates.items():
         key = f"{prefix}{k}"
-        if k not in names:
-            raise ConfigError(f"unknown key '{key}' ({prefix.rstrip('.') or 'top level'} has: {', '.join(names)})")
+        if k not in hints:
+            raise ConfigError(f"unknown key '{key}' ({prefix.rstrip('.') or 'top level'} has: {', '.join(hints)})")
         current = getattr(node, k)
         if dataclasses.is_dataclass(current):
             if not isinstance(v, dict):

@@ -56,10 +56,8 @@ class ChatFormat:
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError(
-                f"{type(tokenizer).__name__} has no chat_template; the agent needs a chat model "
-                "(set tokenizer.chat_template to a Jinja template, e.g. ChatML)"
-            )
+            raise ValueError(f"{type(tokenizer).__name__} has no chat_template; the agent needs a chat model "
+                             "(set tokenizer.chat_template to a Jinja template, e.g. ChatML)")
         self.tokenizer = tokenizer
         self.special_ids = set(tokenizer.all_special_ids)
         self.before, self.after = self._wrapper()

@@ -134,8 +134,7 @@ def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> lis
     for i, s in enumerate(ep.steps):
         if s.action_ids:
             by_seg.setdefault(s.segment, []).append((i, s))
-    for seg in sorted(by_seg):
-        idx = by_seg[seg]
+    for seg, idx in sorted(by_seg.items()):
         last = idx[-1][1]
         ids = list(last.context_ids) + list(last.action_ids)
         mask, adv, old = ([0.0] * len(ids) for _ in range(3))

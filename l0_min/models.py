@@ -42,10 +42,6 @@ class ModelNotFoundError(FileNotFoundError):
     """A model name or path that does not resolve to a usable Hugging Face folder."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("L0_MIN_CACHE") or Path.home() / ".cache" / "l0_min")
-
-
 def resolve_model(name_or_path: str) -> Path:
     """The Hugging Face folder for a built-in name or a path; builds built-ins on first use."""
     if not isinstance(name_or_path, (str, os.PathLike)) or str(name_or_path) == "":
@@ -110,7 +106,7 @@ def load_safetensors_folder(folder: str | Path) -> dict:
 
 
 def _build_once(name: str, build) -> Path:
-    target = cache_dir() / "models" / name
+    target = Path(os.environ.get("L0_MIN_CACHE") or Path.home() / ".cache" / "l0_min") / "models" / name
     if (target / "config.json").is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)

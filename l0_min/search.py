@@ -48,11 +48,9 @@ def format_page(doc: dict) -> str:
     return f"{doc['title']}\n\n{doc['text']}"
 
 
-STOPWORDS = frozenset(
-    "a an and are as at be been but by did do does for from had has have he her his how i if in into is it its "
-    "of on or she so than that the their them then there these they this those to was were what when where "
-    "which who whom whose why will with you your".split()
-)
+STOPWORDS = frozenset("a an and are as at be been but by did do does for from had has have he her his how i if in into "
+                      "is it its of on or she so than that the their them then there these they this those to was were "
+                      "what when where which who whom whose why will with you your".split())
 
 
 def tokenize(text: str) -> list[str]:
