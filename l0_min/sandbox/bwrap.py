@@ -88,11 +88,9 @@ ETC = ["ld.so.cache", "ld.so.conf", "ld.so.conf.d", "localtime", "alternatives",
 ETC_NET = ["resolv.conf", "hosts", "nsswitch.conf", "gai.conf", "host.conf", "services", "protocols"]
 SYSTEM_DIRS = ["bin", "sbin", "lib", "lib32", "lib64", "libx32"]  # symlinks into /usr on merged-usr systems
 
-INSTALL_HINT = (
-    "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap; "
-    "conda: conda install -c conda-forge bubblewrap), or run kernels without a sandbox, which is "
-    "unsafe, with sandbox.enabled=false"
-)
+INSTALL_HINT = ("install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap; Fedora: dnf install bubblewrap; "
+                "conda: conda install -c conda-forge bubblewrap), or run kernels without a sandbox, which is "
+                "unsafe, with sandbox.enabled=false")
 
 
 class SandboxError(RuntimeError):
@@ -174,11 +172,9 @@ def command(cfg: SandboxConfig, runtime_dir: str, inner: list[str], *, conn_file
         return str(2 + len(files))
 
     me = os.getuid() if uid is None else uid
-    data = {
-        f"{TOOLBOX_PARENT}/l0_toolbox.zip": toolbox_zip(),
-        "/etc/passwd": f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nagent:x:{me}:{me}:agent:{WORKSPACE}:/bin/sh\n",
-        "/etc/group": f"root:x:0:\nagent:x:{me}:\n",
-    }
+    passwd = f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nagent:x:{me}:{me}:agent:{WORKSPACE}:/bin/sh\n"
+    data = {f"{TOOLBOX_PARENT}/l0_toolbox.zip": toolbox_zip(), "/etc/passwd": passwd,
+            "/etc/group": f"root:x:0:\nagent:x:{me}:\n"}
     bpf = seccomp_filter()
     args = _namespaces(cfg, uid) + (["--seccomp", fd(_write(runtime_dir, "seccomp.bpf", bpf))] if bpf else [])
     args += _mounts(cfg, tools_socket)

@@ -143,7 +143,6 @@ class _Bounded:
 
 
 # ------------------------------ process-wide plumbing: one zmq context, enough file descriptors
-
 @functools.cache
 def zmq_context() -> zmq.asyncio.Context:
     """The zmq context of all kernels: no socket cap below the fd limit, a message size cap."""
@@ -152,9 +151,8 @@ def zmq_context() -> zmq.asyncio.Context:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     ctx = zmq.asyncio.Context()
     ctx.set(zmq.MAX_SOCKETS, max(1024, min(hard, 1 << 16)))
-    # a kernel that undoes its output cap cannot push a bigger frame (a bigger one ends that
-    # connection for good). A send to a peer that is gone fails at once (SNDTIMEO 0) instead of
-    # blocking the event loop.
+    # a kernel that undoes its output cap cannot push a bigger frame (a bigger one ends that connection for
+    # good); a send to a peer that is gone fails at once (SNDTIMEO 0) instead of blocking the event loop
     ctx.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME)
     ctx.setsockopt(zmq.SNDTIMEO, 0)
     return ctx

@@ -31,8 +31,5 @@ class Notepad:
             parts.append(f"## Draft\n{self.draft}")
         return "\n".join(parts) if parts else "(the notepad is empty)"
 
-    def clear(self) -> None:
-        self.todo, self.facts, self.draft = [], [], ""
-
     def __repr__(self) -> str:
         return self.render()
