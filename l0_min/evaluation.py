@@ -1,7 +1,6 @@
 """Benchmark evaluation: paper-comparable scores, records, the LLM judge, a resumable results file,
-per-question aggregates with confidence intervals, tables. `evaluate.py` is the command line; train.py's
-in-training evaluation scores with the same `record_from_episode`, `summarize` and `format_summary`.
-An evaluation folder (default `runs/eval/<bench>-<model>-<mode>`) holds:
+per-question aggregates with confidence intervals, tables; `evaluate.py` is the command line. An
+evaluation folder (default `runs/eval/<bench>-<model>-<mode>`) holds:
 
     run.json            what is evaluated (bench, data file, mode, model, sampling, agent budgets);
                         a rerun into the same folder must match it, and then resumes
@@ -112,7 +111,7 @@ def make_record(task: Task, sample: int, prediction: str | None, status: str, st
 
 
 def record_from_episode(ep: Episode) -> dict:
-    """The record of a scored episode (evaluate.py's agent mode, train.py's in-training evaluation)."""
+    """The record of a scored episode (evaluate.py's agent mode)."""
     return make_record(ep.task, ep.sample, ep.final_answer, ep.status, len(ep.steps), ep.seconds, ep.error)
 
 
@@ -334,8 +333,7 @@ def two_proportion_z_test(c1: float, n1: int, c2: float, n2: int) -> tuple[float
 
 # --------------------------------------------------------------------------------- the summary
 def summarize(records: list[dict], k: int | None = None, judged: bool = False) -> dict:
-    """Aggregate metrics of finished samples (pure, exact): the one scoring path of evaluate.py and of
-    the in-training evaluation.
+    """Aggregate metrics of finished samples (pure, exact): evaluate.py's one scoring path.
 
     Each question weighs the same: a metric is averaged over a question's samples, then over
     questions. `em_ci` is the 95% Wilson interval of EM over the questions (exact for one sample per
