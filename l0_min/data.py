@@ -77,8 +77,6 @@ class _RowError(ValueError):
 
 
 # ----------------------------------------------------------------------------- reading records
-
-
 _SURROGATE = re.compile("[\udc80-\udcff]")
 
 
@@ -156,8 +154,6 @@ def read_records(path: str | Path) -> Iterator[tuple[int, dict | Exception]]:
 
 
 # --------------------------------------------------------------------------------- row layouts
-
-
 def detect_layout(row: dict) -> str:
     """The layout of a row, from its fields.
 
@@ -300,8 +296,6 @@ def _row_id(row: dict) -> str | None:
 
 
 # ------------------------------------------------------------------------------------- loading
-
-
 def load_file(path: str | Path, limit: int | None = None, skip_bad_rows: bool = False,
               benchmark: str | None = None) -> Tasks:
     """Tasks of one benchmark file of any supported layout (see the module docstring)."""
@@ -435,8 +429,6 @@ def load_tasks(spec: str, cfg: DataConfig | None = None, limit: int | None = Non
 
 
 # ------------------------------------------------------------------------------------- corpora
-
-
 def doc_id(title: str, text: str) -> str:
     """Stable id of a paragraph: a hash of its title and text (independent of which tasks are loaded).
 

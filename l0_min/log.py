@@ -109,8 +109,6 @@ def read_episodes(path: str | Path) -> list[Episode]:
 
 
 # --------------------------------------------------------------------------- one step's numbers
-
-
 def _mean(xs: list[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
@@ -180,8 +178,6 @@ def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
 
 
 # ------------------------------------------------------------------------------ held-out numbers
-
-
 def eval_summaries(episodes: list[Episode], envs: dict) -> dict[str, dict]:
     """Held-out numbers per environment (and "all" over every episode when there are several): episodes n,
     the headline metric's (the env's first) successes, rate "score" and Wilson 95% interval "score_ci", every
@@ -238,8 +234,6 @@ def _is_number(v) -> bool:
 
 
 # ---------------------------------------------------------------------------------------- sinks
-
-
 def _jsonable(v):
     """Plain JSON values: tensors / numpy scalars become numbers, NaN and inf become None."""
     if hasattr(v, "item") and callable(v.item) and getattr(v, "ndim", 0) == 0:
@@ -342,8 +336,6 @@ def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episo
 
 
 # ----------------------------------------------------------------------------------------- plot
-
-
 def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     """Three panels against the learner step (an SFT step or an RL step; records say which in "phase"):
     the held-out score at each evaluation ("eval/score" sampled, "eval/greedy/score" greedy, with 95% intervals;
@@ -401,7 +393,6 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
 
 
 # ----------------------------------------------------------- the per-step table train.py prints
-
 _COLUMNS = [  # (header, metrics key, width, format); "{score}" becomes one column per environment's headline
     ("step", None, 6, "d"), ("reward", "reward", 8, ".3f"), ("{score}", None, 7, ".3f"),
     ("format", "reward/format", 7, ".3f"), ("exec", "reward/exec", 7, ".3f"),
