@@ -235,12 +235,8 @@ class ContextWatcher:
 
         Returns False (context left unchanged) if not even the head leaves `min_room` for an action.
         """
-        n = len(self.turns)
-        limit = self.max_tokens - self.min_room
-        head_len = len(self._head(self.rebuild_user_text(notepad, n)))
-        if head_len > limit:
-            return False
-        k, used = 0, head_len  # choose k recent steps, newest first
+        n, limit = len(self.turns), self.max_tokens - self.min_room
+        k, used = 0, len(self._head(self.rebuild_user_text(notepad, n)))  # choose k recent steps, newest first
         for turn in reversed(self.turns):
             need = len(turn.action_ids) + len(turn.obs_ids)
             if used + need > limit or (k >= self.keep_recent and used + need > self.fill * self.max_tokens):
