@@ -1,8 +1,7 @@
-"""The SGLang HTTP client: token ids in, sampled token ids and their log-probs out.
-
-It speaks SGLang's native API (`POST /generate`, `/update_weights_from_disk`, `/health`,
-`/model_info`, or `/get_model_info` on servers older than 0.5.x), so the same code drives real SGLang servers on GPUs, an
-sglang-router, or the embedded CPU server (`python -m l0_min.serve`).
+"""The SGLang HTTP client: token ids in, sampled token ids and their log-probs out. It speaks SGLang's
+native API (`POST /generate`, `/update_weights_from_disk`, `/health`, `/model_info`; `/get_model_info`
+before 0.5.x), so one code path drives SGLang servers on GPUs, an sglang-router, or the embedded CPU
+server (`python -m l0_min.serve`).
 
     client = InferenceClient(["http://127.0.0.1:30000"], cfg.inference, max_connections=64)
     await client.wait_ready()                    # SGLang takes minutes to load: 503 until then
@@ -11,31 +10,31 @@ sglang-router, or the embedded CPU server (`python -m l0_min.serve`).
     await client.update_weights_from_disk("/abs/runs/x/weights/step_3", weight_version="3")
     await client.close()
 
-Token-in/token-out: every request sends `input_ids` and asks for `return_logprob`, with
-`no_stop_trim` and `skip_special_tokens=False`, so the returned ids are all the sampled ids (stop token
-or stop string included) and the text decodes all of them.
+Token-in/token-out: every request sends `input_ids` and asks for `return_logprob`, with `no_stop_trim`
+and `skip_special_tokens=False`, so the returned ids are all the sampled ids (stop token or stop string
+included) and the text decodes all of them.
 
 Routing: generation goes to `urls` (SGLang servers, or one sglang-router URL); weight updates and
 version checks go to `inference.worker_urls` (default: `urls`), since a router has no
-/update_weights_from_disk. Keys: the variable `inference.api_key_env` names holds SGLang's --api-key (sent on
-every request), `inference.admin_api_key_env` its --admin-api-key (sent on /update_weights_from_disk). Every request of one episode goes to the same server, so its growing
-context stays in that server's prefix cache: the episode's first request picks the server with the
-fewest requests in flight (ties: round robin), later ones follow it (the key is `episode_key`, a
-context variable the agent sets per episode; through a router it is sent as the X-SMG-Routing-Key
-header, which sglang-router's consistent_hashing policy routes on). A server that fails a connection
-is skipped for a few seconds while others answer.
+/update_weights_from_disk. Keys: the variable `inference.api_key_env` names holds SGLang's --api-key
+(sent on every request), `inference.admin_api_key_env` its --admin-api-key (sent on
+/update_weights_from_disk). Every request of one episode goes to the same server, so its growing context
+stays in that server's prefix cache: the episode's first request picks the server with the fewest
+requests in flight (ties: round robin), later ones follow it (the key is `episode_key`, a context
+variable the agent sets per episode; through a router it is sent as the X-SMG-Routing-Key header, which
+sglang-router's consistent_hashing policy routes on). A server that fails a connection is skipped for
+a few seconds while others answer.
 
-Failures: connection errors, timeouts and HTTP 5xx (503 included) are retried with exponential
-backoff (`backoff`, doubled each time, at most 30 s between tries) up to `max_retries` times; while the
-servers cannot be reached at all, retries go on until they have been down for `down_after` seconds.
-Then InferenceError. A 4xx answer (a bad request) raises BadRequestError at once, with the server's
-message. A response without the expected fields raises InferenceError naming the field. A weight
-update is never re-sent: when its answer is lost (timeout, dropped connection), the worker's weight
-version is polled until it reports the new one.
+Failures: connection errors, timeouts and HTTP 5xx (503 included) are retried with exponential backoff
+(`backoff`, doubled each time, at most 30 s between tries) up to `max_retries` times, and while no
+server can be reached, until they have been down for `down_after` seconds; then InferenceError. A 4xx
+answer (a bad request) raises BadRequestError at once, with the server's message; a response without
+an expected field, InferenceError naming it. A weight update is never re-sent: when its answer is lost
+(timeout, dropped connection), the worker's weight version is polled until it reports the new one.
 
-Log-probs: SGLang returns log_softmax(logits / temperature), before top-p / top-k renormalisation
-(raw log_softmax for greedy requests); the embedded server does the same, and the learner divides its
-logits by the sampling temperature to match.
+Log-probs: SGLang returns log_softmax(logits / temperature) before top-p / top-k renormalisation (raw
+log_softmax for greedy requests), as the embedded server does; the learner divides its logits by the
+sampling temperature to match.
 """
 
 from __future__ import annotations
