@@ -58,8 +58,7 @@ class SandboxConfig:
     enabled: bool = True  # False runs kernels without bwrap: an explicit, loudly logged opt-in
     network: bool = False  # share the host network (only for tools that need the open web)
     memory_mb: int = 2048  # address-space limit of each process in the sandbox (RLIMIT_AS)
-    # memory + swap of the whole sandbox (its cgroup): processes, tmpfs files, memfds, kernel objects
-    total_memory_mb: int = 4096
+    total_memory_mb: int = 4096  # memory + swap of the sandbox's cgroup: processes, tmpfs files, memfds, kernel objects
     max_procs: int = 64  # RLIMIT_NPROC and cgroup pids.max (+2): processes and threads (ipykernel uses ~10)
     file_size_mb: int = 64  # RLIMIT_FSIZE: largest file a cell may write
     open_files: int = 256  # RLIMIT_NOFILE
@@ -112,10 +111,8 @@ class InferenceConfig:
     down_after: float = 120.0  # a server unreachable this long ends the run with an error
     # extra flags for the embedded server (python -m l0_min.serve --help), e.g. "--prefix-cache-tokens,0"
     embedded_args: list[str] = field(default_factory=list)
-    # the environment variable that holds the servers' API key (sent as Authorization: Bearer; never the key here)
-    api_key_env: str = ""
-    # the variable holding SGLang's --admin-api-key, which then guards /update_weights_from_disk (not api_key)
-    admin_api_key_env: str = ""
+    api_key_env: str = ""  # the variable that holds the servers' API key (sent as Authorization: Bearer), not the key
+    admin_api_key_env: str = ""  # the variable that holds SGLang's --admin-api-key (guards /update_weights_from_disk)
 
 
 @dataclass
