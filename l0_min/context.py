@@ -43,16 +43,7 @@ def valid_text(text: str) -> str:
 
 
 class ChatFormat:
-    """The tokenizer's chat template, as the three pieces the agent needs.
-
-    - `prompt_ids(system, user)`: the template's ids for a system + user turn and the generation prompt.
-    - `decode(ids)`: the text of sampled ids, special tokens skipped.
-    - `observation_ids(text, action_ids)`: ids of `before + text + after`, where `before` closes the
-      assistant turn and opens a user turn and `after` closes it and opens the next assistant turn.
-      Both are read once from the template by rendering a dummy conversation and cutting it at
-      marker strings; if that fails (an unusual template) ChatML is assumed. If the action already
-      ended with a special end token that `before` starts with (e.g. `<|im_end|>`), it is not repeated.
-    """
+    """The tokenizer's chat template, as the three pieces the agent needs: prompt_ids, decode, observation_ids."""
 
     def __init__(self, tokenizer):
         if not getattr(tokenizer, "chat_template", None):
@@ -113,6 +104,10 @@ class ChatFormat:
         return list(ids)
 
     def observation_ids(self, text: str, action_ids: list[int]) -> list[int]:
+        """Ids of `before + text + after`: `before` closes the assistant turn and opens a user turn, `after` closes
+        it and opens the next assistant turn (both read once from the template by rendering a dummy conversation
+        and cutting it at marker strings; ChatML if that fails). An action that already ended with a special end
+        token that `before` starts with (e.g. `<|im_end|>`) does not get it twice."""
         before = self.before
         if action_ids and action_ids[-1] in self.special_ids:
             tok = self.tokenizer.convert_ids_to_tokens(action_ids[-1])

@@ -153,14 +153,10 @@ def _group_html(name: str, eps: list[dict], total: int) -> str:
 
 
 def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = None, title: str | None = None) -> Path:
-    """Write a self-contained HTML viewer of the episodes in `src` to `out_html`.
-
-    src: a run folder (its trajectories/*.jsonl), a folder of .jsonl files, one .jsonl file, or a
-    list of them. max_episodes_per_step keeps the first N episodes of each file (whole groups come
-    first, as collected), to keep the page small for large batches (train.py passes
-    cfg.log.viewer_max_per_step); None or 0 keeps all. For one folder, only files new since the last
-    call are read and appended (see the module docstring).
-    """
+    """Write a self-contained HTML viewer of the episodes in `src` (a run folder's trajectories/*.jsonl, a
+    folder of .jsonl files, one .jsonl file, or a list of them) to `out_html`. max_episodes_per_step keeps the
+    first N episodes of each file (whole groups come first, as collected; None or 0: all), to keep the page
+    small for large batches. For one folder, only files new since the last call are read and appended."""
     files, out_html, limit = _jsonl_files(src), Path(out_html), max_episodes_per_step or None
     folder = Path(src) if isinstance(src, (str, Path)) and Path(src).is_dir() else None  # its page grows
     title = title or (Path(src).name if isinstance(src, (str, Path)) else f"{len(files)} files")
