@@ -198,8 +198,7 @@ _PAGE = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta http-equiv="Content-Security-Policy" content="default-src 'none'; style-src 'unsafe-inline'; script-src '{script_hash}'">
-<title>{title} · trajectories</title><style>
-{css}</style></head>
+<title>{title} · trajectories</title><style>{css}</style></head>
 <body>
 <header><h1>{title} <small id="counts"></small></h1>
 <div class="bar"><span class="lbl2">status</span><span id="boxes"></span>
@@ -209,10 +208,114 @@ _PAGE = """<!DOCTYPE html>
 <span id="shown" class="dim"></span></div></header>
 <main>{plot}"""
 
-_HERE = Path(__file__).parent  # the page's style and script: viewer.css, viewer.js (told the statuses and phases)
-_CSS = (_HERE / "viewer.css").read_text(encoding="utf-8")
-_JS = "\n" + (_HERE / "viewer.js").read_text(encoding="utf-8").replace("STATUSES", json.dumps(list(STATUSES))) \
-    .replace("PHASES", json.dumps(list(PHASES.values())))
+_CSS = """
+:root { --bg:#f6f7f9; --card:#fff; --line:#dde1e6; --dim:#6b7280; --ok:#15803d; --bad:#b91c1c; }
+* { box-sizing: border-box; } [hidden] { display: none !important; }
+body { margin:0; background:var(--bg); color:#111827; font:14px/1.45 system-ui,-apple-system,"Segoe UI",sans-serif; }
+header { position:sticky; top:0; z-index:2; background:#fff; border-bottom:1px solid var(--line); padding:8px 16px; }
+h1 { font-size:17px; margin:0 0 6px; } h1 small { color:var(--dim); font-weight:normal; font-size:13px; }
+.bar { display:flex; flex-wrap:wrap; gap:6px; align-items:center; }
+.bar label { cursor:pointer; } .bar input { margin:0 2px 0 0; vertical-align:-2px; }
+.lbl2 { color:var(--dim); font-size:12px; text-transform:uppercase; letter-spacing:.04em; margin-left:6px; }
+button, select { font:inherit; font-size:13px; padding:2px 8px; border:1px solid var(--line); border-radius:4px; background:#fff; }
+main { padding:10px 16px 40px; max-width:1400px; }
+.ghead { display:flex; gap:12px; align-items:baseline; margin:14px 0 6px; }
+.ghead h2 { font-size:15px; margin:0; font-family:ui-monospace,monospace; } .ghead span { color:var(--dim); }
+.ep { background:var(--card); border:1px solid var(--line); border-radius:6px; margin:4px 0; }
+.ep[open] { border-color:#9ca3af; box-shadow:0 1px 4px rgba(0,0,0,.06); }
+.ep > summary { display:flex; gap:10px; align-items:center; padding:5px 10px; cursor:pointer; white-space:nowrap; }
+.ep > summary::-webkit-details-marker { display:none; }
+.ep > summary::before { content:"▸"; color:var(--dim); } .ep[open] > summary::before { content:"▾"; }
+.badge { display:inline-block; padding:1px 7px; border-radius:10px; font-size:12px; background:#e5e7eb; }
+.s-answered { background:#dcfce7; color:#14532d; } .s-max_steps, .s-max_tokens { background:#fef3c7; color:#78350f; }
+.s-timeout { background:#ffedd5; color:#7c2d12; } .s-env_error, .s-inference_error { background:#fee2e2; color:#7f1d1d; }
+.masked { background:#e0e7ff; color:#312e81; }
+.ep > summary > .badge:first-child { min-width:8.6em; text-align:center; }
+.rw { font-family:ui-monospace,monospace; font-weight:600; min-width:3.2em; text-align:right; }
+.em { font-size:12px; font-weight:600; min-width:3em; } .ok { color:var(--ok); } .bad { color:var(--bad); } .na { color:var(--dim); }
+.tid { color:var(--dim); font-family:ui-monospace,monospace; font-size:12px; }
+.q { overflow:hidden; text-overflow:ellipsis; flex:1; min-width:8em; }
+.fa { max-width:22em; overflow:hidden; text-overflow:ellipsis; } .ns { color:var(--dim); font-size:12px; }
+table.facts { border-collapse:collapse; margin:4px 12px 8px; } .facts td { padding:2px 0; }
+.facts th { text-align:left; color:var(--dim); font-weight:normal; padding:2px 12px 2px 0; vertical-align:top; white-space:nowrap; }
+.chip { display:inline-block; background:#f3f4f6; border-radius:4px; padding:0 6px; margin:0 4px 2px 0; font-family:ui-monospace,monospace; font-size:12px; }
+.chip.total { background:#e0f2fe; font-weight:600; } .step { border-top:1px solid var(--line); padding:6px 12px 8px; }
+.shead { display:flex; flex-wrap:wrap; gap:12px; font-size:12px; color:var(--dim); margin-bottom:4px; }
+.shead .sn { color:#111827; font-weight:600; } .flag.ok { color:var(--ok); } .flag.bad { color:var(--bad); }
+.qfull { white-space:pre-wrap; } .blk { display:grid; grid-template-columns:4.5em 1fr; gap:6px; margin:3px 0; }
+.blk .lbl { color:var(--dim); font-size:12px; text-align:right; padding-top:4px; }
+pre { margin:0; padding:5px 8px; border-radius:4px; white-space:pre-wrap; word-break:break-word; max-height:26em; overflow:auto;
+      font:12.5px/1.4 ui-monospace,"DejaVu Sans Mono",Menlo,monospace; }
+.think pre { background:#f9fafb; color:#374151; font-family:inherit; font-size:13px; font-style:italic; }
+.code pre { background:#1f2937; color:#e5e7eb; } .out pre { background:#fffbeb; border:1px solid #fde68a; }
+.raw { margin:3px 0 3px 5em; font-size:12px; color:var(--dim); } .raw pre { background:#f3f4f6; color:#111827; }
+pre.err { background:#fef2f2; color:var(--bad); }
+.dim { color:var(--dim); }
+"""
+
+_JS = """
+(function () {
+  "use strict";
+  const all = sel => Array.from(document.querySelectorAll(sel));
+  const eps = all(".ep"), groups = all(".group"), stepSel = document.getElementById("step");
+  const shown = document.getElementById("shown"), el = (tag, props) => Object.assign(document.createElement(tag), props);
+  const envSel = document.getElementById("env"), envs = Array.from(new Set(eps.map(e => e.dataset.env))).sort();
+  envs.forEach(v => envSel.append(el("option", {value: v, textContent: v})));
+  all(".envs").forEach(x => { x.hidden = envs.length < 2; });  // a run of one environment needs no choice
+
+  // the filter bar, from the episodes on the page: a box per status (known ones first), an option per file
+  const count = new Map();
+  eps.forEach(e => count.set(e.dataset.status, (count.get(e.dataset.status) || 0) + 1));
+  const known = STATUSES.filter(s => count.has(s)), other = Array.from(count.keys()).filter(s => !STATUSES.includes(s)).sort();
+  known.concat(other).forEach(s => {
+    const label = el("label", {className: "badge s-" + s});
+    label.append(el("input", {type: "checkbox", name: "status", value: s, checked: true}), " " + s + " (" + count.get(s) + ")");
+    document.getElementById("boxes").append(label, " ");
+  });
+  PHASES.concat(["other"]).forEach(phase => {
+    const mine = groups.filter(g => g.dataset.phase === phase);
+    if (!mine.length) return;
+    const og = el("optgroup", {label: phase});
+    mine.forEach(g => og.append(el("option", {value: g.dataset.step, textContent: g.dataset.step + " (" + g.dataset.total + ")"})));
+    stepSel.append(og);
+  });
+  document.getElementById("counts").textContent = eps.length + " episodes · " + groups.length + " steps";
+  const boxes = all('input[name="status"]');
+
+  function readHash() {  // #status=answered,timeout&step=step_00002&open=all
+    const p = new URLSearchParams(location.hash.slice(1));
+    if (p.has("status")) {
+      const want = new Set(p.get("status").split(","));
+      boxes.forEach(b => { b.checked = want.has(b.value); });
+    }
+    if (p.has("step") && Array.from(stepSel.options).some(o => o.value === p.get("step"))) {
+      stepSel.value = p.get("step");
+    }
+    if (envs.includes(p.get("env"))) envSel.value = p.get("env");
+    if (p.get("open") === "all") eps.forEach(e => { e.open = true; });
+  }
+  function writeHash() {
+    const p = new URLSearchParams();
+    if (boxes.some(b => !b.checked)) p.set("status", boxes.filter(b => b.checked).map(b => b.value).join(","));
+    if (stepSel.value) p.set("step", stepSel.value);
+    if (envSel.value) p.set("env", envSel.value);
+    history.replaceState(null, "", p.toString() ? "#" + p.toString() : location.pathname);
+  }
+  function apply() {
+    const on = new Set(boxes.filter(b => b.checked).map(b => b.value)), step = stepSel.value, env = envSel.value;
+    eps.forEach(e => { e.hidden = !(on.has(e.dataset.status) && (step === "" || e.dataset.step === step)
+                                    && (env === "" || e.dataset.env === env)); });
+    groups.forEach(g => { g.hidden = !g.querySelector(".ep:not([hidden])"); });
+    shown.textContent = eps.filter(e => !e.hidden).length + " of " + eps.length + " shown";
+  }
+  boxes.concat([stepSel, envSel]).forEach(x => x.addEventListener("change", () => { apply(); writeHash(); }));
+  document.getElementById("open").onclick = () => eps.forEach(e => { if (!e.hidden) e.open = true; });
+  document.getElementById("close").onclick = () => eps.forEach(e => { e.open = false; });
+  window.addEventListener("hashchange", () => { readHash(); apply(); });
+  readHash();
+  apply();
+})();
+""".replace("STATUSES", json.dumps(list(STATUSES))).replace("PHASES", json.dumps(list(PHASES.values())))
 
 # Defence in depth: the page's Content-Security-Policy lets only this exact script run, so even a
 # bug in escaping could not execute a script (or an onerror= handler) an agent printed.
