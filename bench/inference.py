@@ -225,6 +225,13 @@ async def compute_limit_run(args, threads: int) -> float:
     agents, turns, new_tokens = (32, 2, 32) if args.quick else (64, 3, 50)
     model, tok = load_model(args.model)
     system = yaml.safe_load((ROOT / "configs" / "cpu_demo.yaml").read_text())["agent"]["system_prompt"]
+    config, head = model.config, model.get_output_embeddings().weight
+    shapes, (vocab, hidden) = linear_shapes(config) * config.num_hidden_layers, head.shape
+
+    def gflops() -> list[float]:  # decode shapes, prefill shapes, the LM head
+        return [matmul_gflops(shapes, agents), matmul_gflops(shapes, PREFILL_ROWS), matmul_gflops([(hidden, vocab)], agents)]
+
+    before = gflops()  # measured before and after the workload, the mean used: the machine's load drifts
     engine = Engine(model, tok).start()
     runner = web.AppRunner(make_app(engine, args.model, args.model))
     await runner.setup()
@@ -245,7 +252,8 @@ async def compute_limit_run(args, threads: int) -> float:
 
     # the arithmetic: 2 x non-embedding params per computed token, + the LM head (2 x hidden x vocab) per
     # sampled token; attention scores (~2 x 2 x context x hidden per token and layer) are not counted
-    head = model.get_output_embeddings().weight
+    after = gflops()
+    g_decode, g_prefill, g_head = [(a + b) / 2 for a, b in zip(before, after)]
     embed = model.get_input_embeddings().weight
     params = sum(p.numel() for p in model.parameters()) - embed.numel() - (0 if head is embed else head.numel())
     calls = [c for turns_ in per_agent for c in turns_]
@@ -256,12 +264,6 @@ async def compute_limit_run(args, threads: int) -> float:
     cached = sum(g.meta_info.get("cached_tokens", 0) for _, g in calls)
     prompt_tokens = sum(len(ids) for ids, _ in calls)
 
-    config = model.config
-    shapes = linear_shapes(config) * config.num_hidden_layers
-    hidden, vocab = head.shape[1], head.shape[0]
-    g_prefill = matmul_gflops(shapes, PREFILL_ROWS)
-    g_decode = matmul_gflops(shapes, agents)
-    g_head = matmul_gflops([(hidden, vocab)], agents)
     f_prefill, f_decode, f_head = 2 * params * prefill_rows, 2 * params * decode_rows, 2 * hidden * vocab * generated
     limit = {"prefill": f_prefill / g_prefill / 1e9, "decode": f_decode / g_decode / 1e9, "lm_head": f_head / g_head / 1e9}
     at_limit = sum(limit.values())
@@ -282,8 +284,9 @@ async def compute_limit_run(args, threads: int) -> float:
     print(f"  prompt tokens sent {prompt_tokens}, served from the prefix cache {cached}, fed to prefill forwards "
           f"{timer.rows['prefill']} (ideal: {prefill_rows}); generated {generated}; decode steps {timer.calls['decode']} "
           f"(mean batch {timer.rows['decode'] / max(1, timer.calls['decode']):.1f}), prefill forwards {timer.calls['prefill']}")
-    print(f"  plain fp32 matmul, {threads} threads: decode shapes ({agents} rows) {g_decode:.1f} GFLOPS, prefill shapes "
-          f"({PREFILL_ROWS} rows) {g_prefill:.1f}, LM head ({agents} x {hidden} x {vocab}) {g_head:.1f}")
+    print(f"  plain fp32 matmul, {threads} threads, GFLOPS before / after the workload: decode shapes ({agents} rows) "
+          f"{before[0]:.1f} / {after[0]:.1f}, prefill shapes ({PREFILL_ROWS} rows) {before[1]:.1f} / {after[1]:.1f}, "
+          f"LM head ({agents} x {hidden} x {vocab}) {before[2]:.1f} / {after[2]:.1f}")
     print(f"  sampler vs a plain forward (last 8 requests): mean |log ratio| {ratios.mean():.2e}, max {ratios.max():.2e}")
     print(f"\n{'phase':>22} | {'seconds':>7} | {'share':>5} | {'at the limit (s)':>16} | limit / actual")
     print(f"{'-' * 22}-+-{'-' * 7}-+-{'-' * 5}-+-{'-' * 16}-+-{'-' * 14}")
