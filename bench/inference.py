@@ -150,10 +150,15 @@ class ModelTimer:
         self.seconds, self.rows, self.calls, self._t = {"prefill": 0.0, "decode": 0.0, "lm_head": 0.0}, {}, {}, {}
         self.rows = {k: 0 for k in self.seconds}
         self.calls = {k: 0 for k in self.seconds}
-        model.register_forward_pre_hook(self._start, with_kwargs=True)
-        model.register_forward_hook(self._stop, with_kwargs=True)
-        model.get_output_embeddings().register_forward_pre_hook(lambda m, args: self._t.update(head=time.perf_counter()))
-        model.get_output_embeddings().register_forward_hook(lambda m, args, out: self._add("lm_head", "head", out.shape[:-1].numel()))
+        head = model.get_output_embeddings()
+        self.hooks = [model.register_forward_pre_hook(self._start, with_kwargs=True),
+                      model.register_forward_hook(self._stop, with_kwargs=True),
+                      head.register_forward_pre_hook(lambda m, args: self._t.update(head=time.perf_counter())),
+                      head.register_forward_hook(lambda m, args, out: self._add("lm_head", "head", out.shape[:-1].numel()))]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
 
     def _start(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -246,6 +251,7 @@ async def compute_limit_run(args, threads: int) -> float:
             t0 = time.perf_counter()
             per_agent = await demo_workload(client, tok, system, agents, turns, new_tokens)
             wall = time.perf_counter() - t0
+            timer.remove()
     finally:
         await runner.cleanup()
         engine.stop()
