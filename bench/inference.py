@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -129,17 +131,25 @@ def linear_shapes(config) -> list[tuple[int, int]]:
     return [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
 
 
-def matmul_gflops(shapes: list[tuple[int, int]], rows: int, seconds: float = 1.0) -> float:
-    """GFLOPS of plain fp32 `x @ W.T` over these (in, out) shapes at `rows` rows (torch's threads)."""
+def matmul_gflops(shapes: list[tuple[int, int]], rows: int, seconds: float = 1.0) -> tuple[float, float]:
+    """GFLOPS of plain fp32 `x @ W.T` over these (in, out) shapes at `rows` rows (torch's threads), per second
+    of wall time and per second of this process's CPU time."""
     xs = [(torch.randn(rows, i), torch.randn(o, i)) for i, o in shapes]
     flops = sum(2 * rows * i * o for i, o in shapes)
     run = lambda: [torch.nn.functional.linear(x, w) for x, w in xs]  # noqa: E731
     run()
-    reps, t0 = 0, time.perf_counter()
+    reps, t0, c0 = 0, time.perf_counter(), time.process_time()
     while (dt := time.perf_counter() - t0) < seconds or reps < 3:
         run()
         reps += 1
-    return flops * reps / dt / 1e9
+    return flops * reps / dt / 1e9, flops * reps / (time.process_time() - c0) / 1e9
+
+
+def rss_gb() -> tuple[float, float]:
+    """This process's resident memory now and at its peak, GB."""
+    with open("/proc/self/statm") as f:
+        now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+    return now, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 class ModelTimer:
@@ -233,7 +243,7 @@ async def compute_limit_run(args, threads: int) -> float:
     config, head = model.config, model.get_output_embeddings().weight
     shapes, (vocab, hidden) = linear_shapes(config) * config.num_hidden_layers, head.shape
 
-    def gflops() -> list[float]:  # decode shapes, prefill shapes, the LM head
+    def gflops() -> list[tuple[float, float]]:  # decode shapes, prefill shapes, the LM head: (wall, CPU)
         return [matmul_gflops(shapes, agents), matmul_gflops(shapes, PREFILL_ROWS), matmul_gflops([(hidden, vocab)], agents)]
 
     before = gflops()  # measured before and after the workload, the mean used: the machine's load drifts
@@ -248,9 +258,11 @@ async def compute_limit_run(args, threads: int) -> float:
             await demo_workload(client, tok, system, 4, 1, 4)  # warm-up
             assert engine.call(engine.flush_cache).result()
             timer = ModelTimer(model)
-            t0 = time.perf_counter()
+            rss_before = rss_gb()
+            t0, c0 = time.perf_counter(), time.process_time()
             per_agent = await demo_workload(client, tok, system, agents, turns, new_tokens)
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            rss_after = rss_gb()
             timer.remove()
     finally:
         await runner.cleanup()
@@ -259,7 +271,7 @@ async def compute_limit_run(args, threads: int) -> float:
     # the arithmetic: 2 x non-embedding params per computed token, + the LM head (2 x hidden x vocab) per
     # sampled token; attention scores (~2 x 2 x context x hidden per token and layer) are not counted
     after = gflops()
-    g_decode, g_prefill, g_head = [(a + b) / 2 for a, b in zip(before, after)]
+    (g_decode, g_prefill, g_head), cpu_gflops = ([(a[i] + b[i]) / 2 for a, b in zip(before, after)] for i in (0, 1))
     embed = model.get_input_embeddings().weight
     params = sum(p.numel() for p in model.parameters()) - embed.numel() - (0 if head is embed else head.numel())
     calls = [c for turns_ in per_agent for c in turns_]
@@ -273,6 +285,7 @@ async def compute_limit_run(args, threads: int) -> float:
     f_prefill, f_decode, f_head = 2 * params * prefill_rows, 2 * params * decode_rows, 2 * hidden * vocab * generated
     limit = {"prefill": f_prefill / g_prefill / 1e9, "decode": f_decode / g_decode / 1e9, "lm_head": f_head / g_head / 1e9}
     at_limit = sum(limit.values())
+    cpu_at_limit = sum(f / g / 1e9 for f, g in zip((f_decode, f_prefill, f_head), cpu_gflops))
 
     # exactness: the engine's log-probs against a plain fp32 forward of prompt + output (the learner's)
     ratios = []
@@ -291,8 +304,12 @@ async def compute_limit_run(args, threads: int) -> float:
           f"{timer.rows['prefill']} (ideal: {prefill_rows}); generated {generated}; decode steps {timer.calls['decode']} "
           f"(mean batch {timer.rows['decode'] / max(1, timer.calls['decode']):.1f}), prefill forwards {timer.calls['prefill']}")
     print(f"  plain fp32 matmul, {threads} threads, GFLOPS before / after the workload: decode shapes ({agents} rows) "
-          f"{before[0]:.1f} / {after[0]:.1f}, prefill shapes ({PREFILL_ROWS} rows) {before[1]:.1f} / {after[1]:.1f}, "
-          f"LM head ({agents} x {hidden} x {vocab}) {before[2]:.1f} / {after[2]:.1f}")
+          f"{before[0][0]:.1f} / {after[0][0]:.1f}, prefill shapes ({PREFILL_ROWS} rows) {before[1][0]:.1f} / "
+          f"{after[1][0]:.1f}, LM head ({agents} x {hidden} x {vocab}) {before[2][0]:.1f} / {after[2][0]:.1f}")
+    print(f"  in CPU seconds (what other load on the machine changes less): the workload took {cpu:.1f}, the limit "
+          f"{cpu_at_limit:.1f}: ratio {cpu_at_limit / cpu:.2f}")
+    print(f"  memory of this process (model, engine, client): RSS {rss_before[0]:.2f} GB before the workload "
+          f"(peak {rss_before[1]:.2f}), {rss_after[0]:.2f} GB after it (peak {rss_after[1]:.2f})")
     print(f"  sampler vs a plain forward (last 8 requests): mean |log ratio| {ratios.mean():.2e}, max {ratios.max():.2e}")
     print(f"\n{'phase':>22} | {'seconds':>7} | {'share':>5} | {'at the limit (s)':>16} | limit / actual")
     print(f"{'-' * 22}-+-{'-' * 7}-+-{'-' * 5}-+-{'-' * 16}-+-{'-' * 14}")

@@ -24,6 +24,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from .collect import Env
@@ -85,6 +87,44 @@ async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> N
             shutil.rmtree(old, ignore_errors=True)
 
 
+def tree_pss_mb(pid: int) -> float:
+    """PSS (shared pages split among the processes that map them) of a process and all its descendants, MB."""
+    kb, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            with open(f"/proc/{p}/smaps_rollup") as f:
+                kb += next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0)
+            for task in os.listdir(f"/proc/{p}/task"):  # a child is listed under the thread that started it
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    stack += map(int, f.read().split())
+    return kb / 1024
+
+
+class MemoryPeak:
+    """The largest total PSS of this process and its descendants (the embedded server, the kernels), sampled
+    every `every` seconds by a daemon thread from its start to the end of the process."""
+
+    def __init__(self, every: float = 2.0):
+        self.peak_mb = 0.0
+        threading.Thread(target=self._sample, args=(every,), daemon=True, name="l0_min-memory-peak").start()
+
+    def _sample(self, every: float) -> None:
+        while True:
+            self.peak_mb = max(self.peak_mb, tree_pss_mb(os.getpid()))
+            time.sleep(every)
+
+
+_WATCH: list[MemoryPeak] = []
+
+
+def watch_memory() -> MemoryPeak:
+    """This process's MemoryPeak, started on the first call (rollout_env's)."""
+    if not _WATCH:
+        _WATCH.append(MemoryPeak())
+    return _WATCH[0]
+
+
 def settle_gc(young: int = 20_000) -> None:
     """Once a long-running process is set up: move every object alive now out of the cyclic collector's
     sight (gc.freeze) and collect young objects less often (threshold `young`, not 700). With the
@@ -118,6 +158,7 @@ async def policy_client(cfg: Config, model_path: str | Path, log_dir: str | Path
 @contextlib.asynccontextmanager
 async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: list, log_dir: str | Path | None = None):
     async with contextlib.AsyncExitStack() as stack:
+        watch_memory()
         await asyncio.to_thread(check_sandbox, cfg.sandbox)  # seconds, where the servers may take minutes
         client = await stack.enter_async_context(policy_client(cfg, model_path, log_dir))
         backend = make_backend(cfg.tools, docs=corpus_from_tasks(tasks))

@@ -363,8 +363,12 @@ def test_radix_cache_shares_prefixes_splits_edges_and_evicts_the_least_recent():
     assert got([1, 2, 3, 9, 7]) == (4, [1, 2, 3, 9])
     assert got([1, 2, 3, 4]) == (3, [1, 2, 3])  # at most all but the last prompt token
     assert got([8, 1]) == (0, [])
-    cache.insert([7, 8, 9, 10, 11], kv([7, 8, 9, 10, 11]))  # 11 tokens > 10: the least recently used leaf goes
-    assert cache.tokens == 9 and got([1, 2, 3, 4, 5, 6]) == (3, [1, 2, 3]) and got([1, 2, 3, 9, 0])[0] == 4
+    # a leaf a lookup takes whole ([9] above) is one sequence's context, now in the batch: it goes first
+    cache.insert([7, 8, 9, 10, 11], kv([7, 8, 9, 10, 11]))  # 11 tokens > 10
+    assert cache.tokens == 10 and got([1, 2, 3, 9, 0])[0] == 3
+    assert got([1, 2, 3, 4, 5, 6]) == (5, [1, 2, 3, 4, 5])
+    cache.insert([1, 2, 3, 8], kv([1, 2, 3, 8]))  # 11 tokens again: [4, 5], just taken whole, goes
+    assert cache.tokens == 9 and got([1, 2, 3, 4, 5, 6])[0] == 3 and got([7, 8, 9, 10, 11, 0])[0] == 5
     cache.clear()
     assert cache.tokens == 0 and got([1, 2, 3, 9, 0]) == (0, [])
 

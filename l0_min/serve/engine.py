@@ -3,24 +3,21 @@
 One background thread owns the model. Each turn of its loop:
 
     1. takes new requests, aborts and calls from a queue (thread-safe `submit`, `abort`, `call`);
-    2. admits waiting requests while the batch has room (`max_running` rows, `max_total_tokens` of
-       keys/values: rows x the longest prompt + max_new_tokens);
-    3. prefills admitted prompts, at most `prefill_chunk` tokens per turn: each copies the longest prefix
-       the radix cache holds (`RadixCache`: an agent's earlier turns, a shared system prompt) and computes
-       the rest, several prompts in one forward; when two waiting prompts share a prefix nobody has
-       computed yet (a burst of agents with one system prompt), that prefix is computed once first;
-       a prompt that is done samples its first token and joins the running batch;
+    2. admits waiting requests while the batch has rows (`max_running`) and keys/values room
+       (`max_total_tokens`: rows x the longest prompt + max_new_tokens);
+    3. prefills admitted prompts, at most `prefill_chunk` tokens per turn, several in one forward: each
+       copies the longest prefix the `RadixCache` holds (an agent's earlier turns, a system prompt) and
+       computes the rest; a prefix that waiting prompts share and nobody computed yet is computed once
+       first. A prompt that is done samples its first token and joins the running batch;
     4. runs one decode step for the whole batch: every running sequence gets one token.
 
-So a request that arrives while others decode joins them at the next step instead of waiting for the
-batch to drain. A sequence leaves the batch as soon as it finishes (length, EOS, stop token id, stop
-string) or is aborted; its keys/values go to the radix cache for the agent's next turn.
+A request that arrives while others decode joins them at the next step; a sequence leaves as soon as it
+finishes (length, EOS, stop token id, stop string) or is aborted, its keys/values going to the radix cache.
 
-Layout (`BatchKV`): one buffer [layers, 2 (keys, values), rows, kv_heads, columns, head_dim]; row r
-holds sequence r's tokens at columns 0..n_r-1, the column being the token's position. A forward writes
-its new tokens' keys/values at per-row columns and attends over a 4D mask, so rows of any lengths share
-a decode step without padding copies, a joining sequence copies only its own prefix into a free row, and
-a leaving one is replaced by the last row (one row copied).
+Layout (`BatchKV`): one buffer [layers, 2, rows, kv_heads, columns, head_dim]; row r holds sequence r's
+tokens at columns 0..n_r-1 (column = position). A forward writes keys/values at per-row columns and
+attends through a 4D mask: rows of any length share a step without copies, a joining sequence copies its
+own prefix into a free row, and a leaving one is replaced by the last row.
 
 Log-probs, as SGLang's default: the returned log-prob of a sampled token is
 `log_softmax(logits / temperature)[token]` in fp32, before top-p / top-k / min-p renormalisation;
@@ -29,7 +26,11 @@ greedy requests get `log_softmax(logits)`. The learner computes the same (logits
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
+import math
+import os
 import queue
 import threading
 import traceback
@@ -46,6 +47,7 @@ log = logging.getLogger("l0_min.engine")
 
 TOP_K_ALL = 1 << 30
 GREEDY_EPS = 1e-6  # temperatures below this are greedy (as in SGLang)
+IDLE_SECONDS = 2.0  # an engine idle this long releases its batch's keys/values buffer
 MIN_SHARED = 32  # a prefix that waiting prompts share is computed once first when it is at least this long
 
 
@@ -92,10 +94,6 @@ class Sequence:
     def kv_len(self) -> int:
         """Tokens whose keys/values are in the cache once the sequence runs: all but the last sampled one."""
         return len(self.input_ids) + len(self.output_ids) - 1
-
-
-class EngineError(RuntimeError):
-    pass
 
 
 # ------------------------------------------------------------------------------------- sampling
@@ -161,7 +159,8 @@ class RadixCache:
     its previous context + action + observation; a burst of agents shares a system prompt) copies that
     prefix instead of computing it. A node holds its edge's ids and their keys/values [layers, 2, kv_heads,
     n, head_dim]; a prefix shared by many sequences is held once. Least recently used leaves go beyond
-    `max_tokens`. Entries are for the current weights only: `clear()` on weight updates."""
+    `max_tokens`, leaves a lookup took whole first (the batch holds them now, until the sequence comes back
+    longer). Entries are for the current weights only: `clear()` on weight updates."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens, self.tokens, self.clock = max_tokens, 0, 0
@@ -175,7 +174,9 @@ class RadixCache:
         while n < limit and (child := node.children.get(ids[n])) is not None:
             k = _common(child.ids, ids, n, limit)
             segments.append(child.kv[..., :k, :])
-            child.used, n, node = self.clock, n + k, child
+            n, node = n + k, child
+            # a leaf taken whole is one sequence's context, copied into the batch that extends it: first to go
+            child.used = 0 if k == len(child.ids) and not child.children else self.clock
             if k < len(child.ids):
                 break
         return n, segments
@@ -199,22 +200,24 @@ class RadixCache:
         self._evict()
 
     def _evict(self) -> None:
-        while self.tokens > self.max_tokens:
-            stack, leaves = [self.root], []
-            while stack:
-                node = stack.pop()
-                stack.extend(node.children.values())
-                if not node.children and node is not self.root:
-                    leaves.append(node)
-            for leaf in sorted(leaves, key=lambda x: x.used):
-                if self.tokens <= self.max_tokens:
-                    return
-                del leaf.parent.children[leaf.ids[0]]
-                self.tokens -= len(leaf.ids)
+        while self.tokens > self.max_tokens:  # the least recently used leaf goes (its parent may be a leaf next)
+            nodes = [self.root]
+            for node in nodes:  # all of them, breadth first
+                nodes.extend(node.children.values())
+            leaf = min((node for node in nodes[1:] if not node.children), key=lambda node: node.used)
+            del leaf.parent.children[leaf.ids[0]]
+            self.tokens -= len(leaf.ids)
 
     def clear(self) -> None:
         self.root.children.clear()
         self.tokens = 0
+        _trim_heap()
+
+
+def _trim_heap() -> None:
+    """Give the heap's free pages back to the system (glibc keeps freed memory for reuse)."""
+    with contextlib.suppress(AttributeError, OSError):  # not glibc
+        ctypes.CDLL(None).malloc_trim(0)
 
 
 # --------------------------------------------------------------------------- the running batch
@@ -246,11 +249,6 @@ class BatchKV(DynamicCache):
         buf = torch.zeros(shape, dtype=self.dtype)
         buf[:, :, :keep_rows, :, :keep_cols] = self.buf[:, :, :keep_rows, :, :keep_cols]
         self.buf = buf
-
-    def prepare(self, first: int, cols: torch.Tensor) -> None:
-        """The next forward: rows first..first+B-1, writing at `cols` [B, T]."""
-        self.first, self.cols, self.width = first, cols, int(cols.max()) + 1
-        self.rows = torch.arange(first, first + len(cols))[:, None]
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         buf = self.buf[layer_idx]
@@ -287,9 +285,11 @@ def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 
 
 class Engine:
-    def __init__(self, model, tokenizer, *, max_running: int = 128, max_total_tokens: int = 1 << 18,
-                 prefill_chunk: int = 2048, prefix_cache_tokens: int = 1 << 16, context_length: int | None = None,
+    def __init__(self, model, tokenizer, *, max_running: int = 128, max_total_tokens: int = 0,
+                 prefill_chunk: int = 2048, prefix_cache_tokens: int = -1, context_length: int | None = None,
                  weight_version: str = "default"):
+        """max_total_tokens (0) and prefix_cache_tokens (-1): by default, the tokens whose keys/values fill a
+        sixteenth of the machine's memory each (SmolLM2-135M, fp32: 46 KB a token; 34k tokens on 24 GB)."""
         from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -297,8 +297,13 @@ class Engine:
         AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # for callers that pass a 2D mask
         model.set_attn_implementation(GQA_ATTENTION)
         self.model, self.tokenizer = model, tokenizer
-        self.max_running, self.max_total_tokens, self.prefill_chunk = max_running, max_total_tokens, prefill_chunk
-        self.weight_version = weight_version
+        c = model.config
+        self.kv_shape = (c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        per_token = 2 * math.prod(self.kv_shape) * next(model.parameters()).element_size()
+        share = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 16 // per_token
+        self.max_running, self.prefill_chunk, self.weight_version = max_running, prefill_chunk, weight_version
+        self.max_total_tokens = max_total_tokens or share
         self.context_length = context_length or getattr(model.config, "max_position_embeddings", 1 << 30)
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         self.eos_ids: set[int] = set()
@@ -306,15 +311,12 @@ class Engine:
             eos = getattr(source, "eos_token_id", None)
             if isinstance(eos, (int, list, tuple)):
                 self.eos_ids.update([eos] if isinstance(eos, int) else map(int, eos))
-        c = model.config
-        self.kv_shape = (c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
-                         getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-        self.prefix_cache = RadixCache(prefix_cache_tokens)
+        self.prefix_cache = RadixCache(share if prefix_cache_tokens < 0 else prefix_cache_tokens)
 
         self.waiting: list[Sequence] = []  # submitted, not yet admitted
         self.prefilling: list[Sequence] = []  # admitted, prompt not fully computed yet
         self.running: list[Sequence] = []  # in the batch: running[r] is row r of self.kv
-        self.kv: BatchKV | None = None  # None while nothing runs (its memory goes back between batches)
+        self.kv: BatchKV | None = None  # released when the engine is idle (IDLE_SECONDS)
         self.steps = 0  # decode steps run (tests and stats)
         self.step_batch_sizes: list[int] = []  # batch size of the last decode steps (bounded)
         self.prefill_batch_sizes: list[int] = []  # prompts per prefill forward, last ones (bounded)
@@ -365,11 +367,9 @@ class Engine:
             raise ValueError(f"The input ({n} tokens) does not fit the server's max_total_tokens "
                              f"({self.max_total_tokens}).")
 
-    def abort(self, rid: str) -> None:
+    def abort(self, rid: str | None = None) -> None:
+        """Abort request `rid`, or all of them."""
         self.call(lambda: self._abort(rid))
-
-    def abort_all(self) -> None:
-        self.call(lambda: self._abort(None))
 
     def call(self, fn: Callable[[], object]) -> Future:
         """Run fn() in the engine thread between two steps; the Future holds its result."""
@@ -417,8 +417,11 @@ class Engine:
     def _drain_commands(self, block: bool) -> None:
         while not self._stopped:
             try:
-                self._commands.get(block=block)()
+                self._commands.get(block=block, timeout=IDLE_SECONDS if block else None)()
             except queue.Empty:
+                if block and self.kv is not None:  # idle a while (a learner step?): the batch's memory goes back
+                    self.kv = None
+                    _trim_heap()
                 return
             block = False
 
@@ -437,11 +440,12 @@ class Engine:
     def _admit(self) -> None:
         """Waiting requests join while there are rows and the keys/values fit: rows x the longest prompt +
         max_new_tokens among them (the shape the batch can grow to) stays within max_total_tokens."""
-        admitted = self.running + self.prefilling
-        longest = max((self._room(s) for s in admitted), default=0)
+        admitted, room = self.running + self.prefilling, lambda s: min(len(s.input_ids) + s.params.max_new_tokens,
+                                                                        self.context_length)
+        longest = max(map(room, admitted), default=0)
         while self.waiting and len(admitted) < self.max_running:
             seq = self.waiting[0]
-            if admitted and (len(admitted) + 1) * max(longest, self._room(seq)) > self.max_total_tokens:
+            if admitted and (len(admitted) + 1) * max(longest, room(seq)) > self.max_total_tokens:
                 return
             self.waiting.pop(0)
             seq.weight_version, seq.prefix, seq.prefilled, seq.cached_tokens = self.weight_version, [], 0, 0
@@ -450,10 +454,7 @@ class Engine:
                 continue
             admitted.append(seq)
             self.prefilling.append(seq)
-            longest = max(longest, self._room(seq))
-
-    def _room(self, seq: Sequence) -> int:
-        return min(len(seq.input_ids) + seq.params.max_new_tokens, self.context_length)
+            longest = max(longest, room(seq))
 
     def _prefill(self) -> None:
         """Up to prefill_chunk (padded) prompt tokens per turn, oldest requests first (see the module doc)."""
@@ -505,7 +506,8 @@ class Engine:
             for segment in seq.prefix:
                 kv.buf[:, :, row, :, at : at + segment.shape[-2]] = segment
                 at += segment.shape[-2]
-        ids = torch.tensor([[0] * (width - n) + s.input_ids[s.prefilled : s.prefilled + n] for s, n in zip(group, lens)])
+        ids = torch.tensor([[0] * (width - n) + q.input_ids[q.prefilled : q.prefilled + n]
+                            for q, n in zip(group, lens)])
         visible = torch.arange(int(cols.max()) + 1)[None, None, :] <= cols[:, :, None]
         logits = self._forward(ids, first, cols, visible[:, None])
         self.prefill_batch_sizes = (self.prefill_batch_sizes + [len(group)])[-1000:]
@@ -548,7 +550,9 @@ class Engine:
     def _forward(self, ids: torch.Tensor, first: int, cols: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """A forward of `ids` [B, T] in rows first.. of the batch, at positions (= columns) `cols` [B, T],
         each token seeing the columns `mask` [B, 1, T, width] allows; the logits of the last column."""
-        self.kv.prepare(first, cols)
+        kv = self.kv
+        kv.first, kv.cols, kv.width = first, cols, int(cols.max()) + 1
+        kv.rows = torch.arange(first, first + len(cols))[:, None]
         out = self.model(input_ids=ids, position_ids=cols, attention_mask=mask, past_key_values=self.kv,
                          use_cache=True, logits_to_keep=1)
         return out.logits[:, -1, :]
@@ -583,8 +587,6 @@ class Engine:
             if r < len(self.running):
                 self.kv.buf[:, :, r, :, : last.kv_len] = self.kv.buf[:, :, len(self.running), :, : last.kv_len]
                 self.running[r] = last
-        if not self.running:
-            self.kv = None
 
     def _take_token(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
         """Sample one token for each of `seqs` (rows of logits), append it, and set finish_reason on those
@@ -640,7 +642,7 @@ class Engine:
         """Copy the weights of an HF folder (safetensors) into the model in place; all tensors are
         checked before any is copied, so a bad folder leaves the model as it was."""
         if self.num_requests():
-            raise EngineError("weights can only be updated while no request is running")
+            raise RuntimeError("weights can only be updated while no request is running")
         state, own = load_safetensors_folder(folder), self.model.state_dict()
         present = {own[k].data_ptr() for k in state if k in own}  # a tied weight needs only one of its names
         problems = [f"{what} {names[:5]}" for what, names in [
@@ -649,7 +651,7 @@ class Engine:
             ("shape mismatch", [f"{k}: {tuple(t.shape)} != {tuple(own[k].shape)}"
                                 for k, t in state.items() if k in own and t.shape != own[k].shape])] if names]
         if problems:
-            raise EngineError(f"{folder}: does not fit the served model: " + "; ".join(problems))
+            raise RuntimeError(f"{folder}: does not fit the served model: " + "; ".join(problems))
         with torch.no_grad():
             for k, t in state.items():
                 own[k].copy_(t)
