@@ -73,7 +73,7 @@ from l0_min.evaluation import format_summary, record_from_episode, summarize, tw
 from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
 from l0_min.log import STEP_HEADER, MetricsLogger, RunDir, batch_metrics, format_step_row, plot_rewards  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
-from l0_min.runtime import rollout_env, settle_gc, sync_weights, watch_memory  # noqa: E402
+from l0_min.runtime import PEAK_MB, rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
 from l0_min.world import ExpertPolicy  # noqa: E402
 
@@ -328,8 +328,8 @@ if rank0:
     if run.metrics_jsonl.is_file():
         plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
         write_viewer(run.path, run.viewer_html, cfg.log.viewer_max_per_step or None)
-    print(f"peak memory: {watch_memory().peak_mb / 1024:.1f} GB (PSS of train.py, the inference server and the "
-          "kernels, sampled every 2 s)", flush=True)
+    print(f"peak memory: {PEAK_MB[0] / 1024:.1f} GB (PSS of train.py, the inference server and the kernels, "
+          "sampled every 2 s)", flush=True)
     print(f"\nrun folder: {run.path}\n  metrics: {run.metrics_jsonl}\n  plot: {run.plots / 'rewards.png'}\n  viewer: {run.viewer_html}", flush=True)
 close_distributed(control)  # the control group: the other ranks may wait here through rank 0's last evaluation
 sys.exit(exit_code)

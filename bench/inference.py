@@ -23,8 +23,11 @@ workload against the machine's compute limit.
    (each distinct prefix once: the nodes of the token trie of all the agents' sequences), + 2 x hidden x
    vocab (the LM head) per sampled token; attention scores are not counted. The limit: that arithmetic
    at the speed plain fp32 matmuls of the model's shapes reach in the same run, same threads (decode
-   shapes at 64 rows, prefill shapes at 512, the LM head at 64). Printed per phase (prefill forwards,
-   decode forwards, the LM head inside them, and the host: everything outside the model's forwards).
+   shapes at 64 rows, prefill shapes at 512, the LM head at 64; the best of 3 probes before and 3 after
+   the workload: what the cores do when nothing else runs, so other load lowers the ratio, never raises
+   it). Printed per phase (prefill forwards, decode forwards, the LM head inside them, and the host:
+   everything outside the model's forwards), and the same ratio in CPU seconds, which other load on a
+   shared machine changes less (with --threads 1 it counts no OpenMP spinning).
 
 Last lines: RESULT server_vs_inprocess_at_32=<ratio> target >= 0.8 MET|SHORT
             RESULT generation_vs_compute_limit=<seconds at the limit / seconds taken> target >= 0.5 MET|SHORT
@@ -153,18 +156,22 @@ def rss_gb() -> tuple[float, float]:
 
 
 class ModelTimer:
-    """Seconds and rows of the model's forwards (a decode forward feeds one token per row) and of its LM
-    head, through forward hooks: the engine's code is not touched."""
+    """Seconds (wall, and CPU of the thread that runs the model) and rows of the model's forwards (a decode
+    forward feeds one token per row) and of its LM head, through forward hooks: the engine is not touched."""
 
     def __init__(self, model):
-        self.seconds, self.rows, self.calls, self._t = {"prefill": 0.0, "decode": 0.0, "lm_head": 0.0}, {}, {}, {}
-        self.rows = {k: 0 for k in self.seconds}
-        self.calls = {k: 0 for k in self.seconds}
+        self.seconds = {"prefill": 0.0, "decode": 0.0, "lm_head": 0.0}
+        self.cpu, self.rows, self.calls, self._t = dict(self.seconds), dict.fromkeys(self.seconds, 0), {}, {}
+        self.calls = dict.fromkeys(self.seconds, 0)
         head = model.get_output_embeddings()
         self.hooks = [model.register_forward_pre_hook(self._start, with_kwargs=True),
                       model.register_forward_hook(self._stop, with_kwargs=True),
-                      head.register_forward_pre_hook(lambda m, args: self._t.update(head=time.perf_counter())),
+                      head.register_forward_pre_hook(lambda m, args: self._t.update(head=self._now())),
                       head.register_forward_hook(lambda m, args, out: self._add("lm_head", "head", out.shape[:-1].numel()))]
+
+    @staticmethod
+    def _now() -> tuple[float, float]:
+        return time.perf_counter(), time.thread_time()
 
     def remove(self) -> None:
         for hook in self.hooks:
@@ -173,13 +180,15 @@ class ModelTimer:
     def _start(self, module, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
         self._t["kind"], self._t["rows"] = ("decode" if ids.shape[1] == 1 else "prefill"), ids.numel()
-        self._t["model"] = time.perf_counter()
+        self._t["model"] = self._now()
 
     def _stop(self, module, args, kwargs, out):
         self._add(self._t["kind"], "model", self._t["rows"])
 
     def _add(self, kind: str, key: str, rows: int):
-        self.seconds[kind] += time.perf_counter() - self._t[key]
+        (wall, cpu), (wall0, cpu0) = self._now(), self._t[key]
+        self.seconds[kind] += wall - wall0
+        self.cpu[kind] += cpu - cpu0
         self.rows[kind] += rows
         self.calls[kind] += 1
 
@@ -243,10 +252,11 @@ async def compute_limit_run(args, threads: int) -> float:
     config, head = model.config, model.get_output_embeddings().weight
     shapes, (vocab, hidden) = linear_shapes(config) * config.num_hidden_layers, head.shape
 
-    def gflops() -> list[tuple[float, float]]:  # decode shapes, prefill shapes, the LM head: (wall, CPU)
-        return [matmul_gflops(shapes, agents), matmul_gflops(shapes, PREFILL_ROWS), matmul_gflops([(hidden, vocab)], agents)]
+    def gflops() -> list[tuple[float, float]]:  # decode shapes, prefill shapes, the LM head: (wall, CPU), best of 3
+        return [tuple(map(max, zip(*(matmul_gflops(sh, rows, 0.3) for _ in range(3)))))
+                for sh, rows in ((shapes, agents), (shapes, PREFILL_ROWS), ([(hidden, vocab)], agents))]
 
-    before = gflops()  # measured before and after the workload, the mean used: the machine's load drifts
+    before = gflops()  # measured before and after the workload, the best kept: what these cores can do
     engine = Engine(model, tok).start()
     runner = web.AppRunner(make_app(engine, args.model, args.model))
     await runner.setup()
@@ -271,7 +281,7 @@ async def compute_limit_run(args, threads: int) -> float:
     # the arithmetic: 2 x non-embedding params per computed token, + the LM head (2 x hidden x vocab) per
     # sampled token; attention scores (~2 x 2 x context x hidden per token and layer) are not counted
     after = gflops()
-    (g_decode, g_prefill, g_head), cpu_gflops = ([(a[i] + b[i]) / 2 for a, b in zip(before, after)] for i in (0, 1))
+    (g_decode, g_prefill, g_head), cpu_gflops = ([max(a[i], b[i]) for a, b in zip(before, after)] for i in (0, 1))
     embed = model.get_input_embeddings().weight
     params = sum(p.numel() for p in model.parameters()) - embed.numel() - (0 if head is embed else head.numel())
     calls = [c for turns_ in per_agent for c in turns_]
@@ -311,14 +321,17 @@ async def compute_limit_run(args, threads: int) -> float:
     print(f"  memory of this process (model, engine, client): RSS {rss_before[0]:.2f} GB before the workload "
           f"(peak {rss_before[1]:.2f}), {rss_after[0]:.2f} GB after it (peak {rss_after[1]:.2f})")
     print(f"  sampler vs a plain forward (last 8 requests): mean |log ratio| {ratios.mean():.2e}, max {ratios.max():.2e}")
-    print(f"\n{'phase':>22} | {'seconds':>7} | {'share':>5} | {'at the limit (s)':>16} | limit / actual")
-    print(f"{'-' * 22}-+-{'-' * 7}-+-{'-' * 5}-+-{'-' * 16}-+-{'-' * 14}")
-    rows = [("prefill forwards", t["prefill"], limit["prefill"]),
-            ("decode forwards", t["decode"], limit["decode"] + limit["lm_head"]),
-            ("  LM head (in both)", t["lm_head"], limit["lm_head"]),
-            ("host (all the rest)", host, 0.0), ("total", wall, at_limit)]
-    for name, sec, lim in rows:
-        print(f"{name:>22} | {sec:7.1f} | {sec / wall:5.0%} | {lim:16.1f} | {lim / sec if sec else 0:14.2f}")
+    print(f"\n{'phase':>22} | {'seconds':>7} | {'share':>5} | {'at the limit (s)':>16} | limit / actual | "
+          f"model thread CPU s")
+    print(f"{'-' * 22}-+-{'-' * 7}-+-{'-' * 5}-+-{'-' * 16}-+-{'-' * 14}-+-{'-' * 18}")
+    c = timer.cpu
+    rows = [("prefill forwards", t["prefill"], limit["prefill"], c["prefill"]),
+            ("decode forwards", t["decode"], limit["decode"] + limit["lm_head"], c["decode"]),
+            ("  LM head (in both)", t["lm_head"], limit["lm_head"], c["lm_head"]),
+            ("host (all the rest)", host, 0.0, None), ("total", wall, at_limit, None)]
+    for name, sec, lim, cpu_s in rows:
+        print(f"{name:>22} | {sec:7.1f} | {sec / wall:5.0%} | {lim:16.1f} | {lim / sec if sec else 0:14.2f} | "
+              f"{'' if cpu_s is None else f'{cpu_s:18.1f}'}")
     return at_limit / wall
 
 

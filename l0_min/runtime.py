@@ -93,36 +93,25 @@ def tree_pss_mb(pid: int) -> float:
     while stack:
         p = stack.pop()
         with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                kb += next((int(line.split()[1]) for line in f if line.startswith("Pss:")), 0)
+            kb += int(Path(f"/proc/{p}/smaps_rollup").read_text().split("\nPss:")[1].split()[0])
             for task in os.listdir(f"/proc/{p}/task"):  # a child is listed under the thread that started it
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    stack += map(int, f.read().split())
+                stack += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
     return kb / 1024
 
 
-class MemoryPeak:
-    """The largest total PSS of this process and its descendants (the embedded server, the kernels), sampled
-    every `every` seconds by a daemon thread from its start to the end of the process."""
+PEAK_MB = [0.0]  # the largest tree_pss_mb of this process that watch_memory's thread saw
 
-    def __init__(self, every: float = 2.0):
-        self.peak_mb = 0.0
-        threading.Thread(target=self._sample, args=(every,), daemon=True, name="l0_min-memory-peak").start()
 
-    def _sample(self, every: float) -> None:
+def watch_memory(every: float = 2.0) -> None:
+    """From the first call on, a thread samples the memory of this process and its descendants (the embedded
+    server, the kernels) every `every` seconds into PEAK_MB[0]."""
+    def sample():
         while True:
-            self.peak_mb = max(self.peak_mb, tree_pss_mb(os.getpid()))
+            PEAK_MB[0] = max(PEAK_MB[0], tree_pss_mb(os.getpid()))
             time.sleep(every)
 
-
-_WATCH: list[MemoryPeak] = []
-
-
-def watch_memory() -> MemoryPeak:
-    """This process's MemoryPeak, started on the first call (rollout_env's)."""
-    if not _WATCH:
-        _WATCH.append(MemoryPeak())
-    return _WATCH[0]
+    if not any(t.name == "l0_min-memory" for t in threading.enumerate()):
+        threading.Thread(target=sample, daemon=True, name="l0_min-memory").start()
 
 
 def settle_gc(young: int = 20_000) -> None:

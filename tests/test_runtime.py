@@ -56,7 +56,7 @@ def test_memory_peak_counts_children_started_from_any_thread():
     import threading
     import time
 
-    from l0_min.runtime import MemoryPeak, tree_pss_mb
+    from l0_min.runtime import PEAK_MB, tree_pss_mb, watch_memory
 
     before, started, measured = tree_pss_mb(os.getpid()), [], threading.Event()
     code = "import sys, time; b = bytearray(200 << 20); print('ok', flush=True); time.sleep(30)"
@@ -71,11 +71,11 @@ def test_memory_peak_counts_children_started_from_any_thread():
         while not started:
             time.sleep(0.01)
         assert started[0].stdout.readline() == "ok\n"
-        watch = MemoryPeak(every=0.05)
+        watch_memory(every=0.05)
         deadline = time.time() + 10
-        while watch.peak_mb < before + 190 and time.time() < deadline:  # 200 MB private, ~10 MB of its own
+        while PEAK_MB[0] < before + 190 and time.time() < deadline:  # 200 MB private, ~10 MB of its own
             time.sleep(0.05)
-        assert tree_pss_mb(os.getpid()) - before > 190 and watch.peak_mb - before > 190
+        assert tree_pss_mb(os.getpid()) - before > 190 and PEAK_MB[0] - before > 190
     finally:
         measured.set()
         started[0].kill()

@@ -464,27 +464,22 @@ class Engine:
                 n, segments = self.prefix_cache.lookup(seq.input_ids)
                 if n > seq.prefilled:
                     seq.prefix, seq.prefilled, seq.cached_tokens = segments, n, n
-            head, shared = self.prefilling[0], self._shared_prefix()
-            if shared - head.prefilled >= MIN_SHARED:
-                budget -= self._prefill_rows([head], min(shared - head.prefilled, budget))
+            head, others = self.prefilling[0], self.prefilling[1:] if self.prefix_cache.max_tokens else []
+            shared = min(max((_common(head.input_ids, s.input_ids, 0, len(s.input_ids)) for s in others), default=0),
+                         len(head.input_ids) - 1) - head.prefilled  # shared with another, not computed yet
+            if shared >= MIN_SHARED:
+                budget -= self._prefill_rows([head], min(shared, budget))
             elif budget < min(self.prefill_chunk, len(head.input_ids) - head.prefilled):
                 break  # what is left of the turn's budget would only cut a prompt into pieces
             else:
                 budget -= self._prefill_rows(*self._group(budget))
 
-    def _shared_prefix(self) -> int:
-        """How many prompt tokens the oldest waiting prompt shares with another one (0 with the cache off)."""
-        head = self.prefilling[0].input_ids
-        if not self.prefix_cache.max_tokens or len(self.prefilling) < 2:
-            return 0
-        shared = max(_common(head, s.input_ids, 0, len(s.input_ids)) for s in self.prefilling[1:])
-        return min(shared, len(head) - 1)
-
     def _group(self, budget: int) -> tuple[list[Sequence], int]:
-        """The leading prompts that fit one forward of at most `budget` tokens, padding included, with at most
-        25% of it padding; and T, the most tokens any of them computes (the rest of a longer one waits)."""
+        """Prompts that fit one forward of at most `budget` tokens, padding included, with at most 25% of it
+        padding, the longest rests first (similar lengths pad least); and T, the most tokens any of them
+        computes (the rest of a longer one waits)."""
         group, width, total = [], 0, 0
-        for seq in self.prefilling:
+        for seq in sorted(self.prefilling, key=lambda s: len(s.input_ids) - s.prefilled, reverse=True):
             t = min(len(seq.input_ids) - seq.prefilled, budget)
             padded = max(width, t) * (len(group) + 1)
             if group and (padded > budget or padded > 1.25 * (total + t)):
@@ -508,8 +503,7 @@ class Engine:
                 at += segment.shape[-2]
         ids = torch.tensor([[0] * (width - n) + q.input_ids[q.prefilled : q.prefilled + n]
                             for q, n in zip(group, lens)])
-        visible = torch.arange(int(cols.max()) + 1)[None, None, :] <= cols[:, :, None]
-        logits = self._forward(ids, first, cols, visible[:, None])
+        logits = self._forward(ids, first, cols)
         self.prefill_batch_sizes = (self.prefill_batch_sizes + [len(group)])[-1000:]
         done = []
         for row, (seq, n) in enumerate(zip(group, lens), first):
@@ -547,21 +541,21 @@ class Engine:
         self.kv.reserve(rows, cols, len(self.running), max((s.kv_len for s in self.running), default=0))
         return self.kv
 
-    def _forward(self, ids: torch.Tensor, first: int, cols: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """A forward of `ids` [B, T] in rows first.. of the batch, at positions (= columns) `cols` [B, T],
-        each token seeing the columns `mask` [B, 1, T, width] allows; the logits of the last column."""
+    def _forward(self, ids: torch.Tensor, first: int, cols: torch.Tensor) -> torch.Tensor:
+        """A forward of `ids` [B, T] in rows first.. of the batch at positions (= columns) `cols` [B, T], each
+        token seeing the columns up to its own; the logits of the last input column."""
         kv = self.kv
         kv.first, kv.cols, kv.width = first, cols, int(cols.max()) + 1
         kv.rows = torch.arange(first, first + len(cols))[:, None]
-        out = self.model(input_ids=ids, position_ids=cols, attention_mask=mask, past_key_values=self.kv,
-                         use_cache=True, logits_to_keep=1)
+        mask = (torch.arange(kv.width)[None, None, :] <= cols[:, :, None])[:, None]  # [B, 1, T, width]
+        out = self.model(input_ids=ids, position_ids=cols, attention_mask=mask, past_key_values=kv, use_cache=True,
+                         logits_to_keep=1)
         return out.logits[:, -1, :]
 
     def _decode(self) -> None:
         batch, n = self.running, torch.tensor([s.kv_len for s in self.running])
         self._reserve(len(batch), int(n.max()) + 1)
-        visible = torch.arange(int(n.max()) + 1)[None, :] <= n[:, None]
-        logits = self._forward(torch.tensor([[s.output_ids[-1]] for s in batch]), 0, n[:, None], visible[:, None, None])
+        logits = self._forward(torch.tensor([[s.output_ids[-1]] for s in batch]), 0, n[:, None])
         self.steps += 1
         self.step_batch_sizes = (self.step_batch_sizes + [len(batch)])[-1000:]
         self._take_token(logits, batch)
