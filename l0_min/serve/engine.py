@@ -229,24 +229,19 @@ class BatchKV(DynamicCache):
     and returns those rows' first `width` columns (the engine's 4D mask hides what a token must not see).
     transformers' own cache layers are not used: their API differs between 4.x and 5.x."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, max_rows: int):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
-        self.shape, self.dtype, self.max_rows = (layers, 2, 0, kv_heads, 0, head_dim), dtype, max_rows
-        self.buf = torch.zeros(self.shape, dtype=dtype)
+        self.buf = torch.zeros((layers, 2, 0, kv_heads, 0, head_dim), dtype=dtype)
         self.first, self.rows, self.cols, self.width = 0, None, None, 0
 
-    def reserve(self, rows: int, cols: int, keep_rows: int, keep_cols: int) -> None:
-        """Room for `rows` rows of `cols` columns, keeping the first keep_rows x keep_cols; grows by a quarter
-        (+ 8 rows, up to max_rows; + 64 columns). New space is zeros: masked keys must be finite (a masked
-        score is added -inf, and NaN + -inf is NaN)."""
+    def reserve(self, rows: int, cols: int, grow_cols: int, keep_rows: int, keep_cols: int) -> None:
+        """Room for `rows` rows of `cols` columns (`grow_cols` when the columns grow), keeping the first
+        keep_rows x keep_cols. New space is zeros: masked keys must be finite (NaN + -inf is NaN)."""
         shape = list(self.buf.shape)
         if rows <= shape[2] and cols <= shape[4]:
             return
-        if rows > shape[2]:
-            shape[2] = max(rows, min(rows + rows // 4 + 8, self.max_rows))
-        if cols > shape[4]:
-            shape[4] = cols + cols // 4 + 64
-        buf = torch.zeros(shape, dtype=self.dtype)
+        shape[2], shape[4] = max(rows, shape[2]), max(cols, grow_cols) if cols > shape[4] else shape[4]
+        buf = torch.zeros(shape, dtype=self.buf.dtype)
         buf[:, :, :keep_rows, :, :keep_cols] = self.buf[:, :, :keep_rows, :, :keep_cols]
         self.buf = buf
 
@@ -536,9 +531,14 @@ class Engine:
         return width * len(group)
 
     def _reserve(self, rows: int, cols: int) -> BatchKV:
+        """Room for `rows` x `cols`: when it grows, a row for every admitted sequence, and columns with a
+        quarter + 64 to spare, but not beyond the longest prompt + max_new_tokens admitted."""
+        admitted = self.running + self.prefilling
+        longest = max(min(len(s.input_ids) + s.params.max_new_tokens, self.context_length) for s in admitted)
         if self.kv is None:
-            self.kv = BatchKV(*self.kv_shape, next(self.model.parameters()).dtype, self.max_running)
-        self.kv.reserve(rows, cols, len(self.running), max((s.kv_len for s in self.running), default=0))
+            self.kv = BatchKV(*self.kv_shape, next(self.model.parameters()).dtype)
+        self.kv.reserve(max(rows, len(admitted)), cols, min(cols + cols // 4 + 64, longest), len(self.running),
+                        max((s.kv_len for s in self.running), default=0))
         return self.kv
 
     def _forward(self, ids: torch.Tensor, first: int, cols: torch.Tensor) -> torch.Tensor:
