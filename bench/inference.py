@@ -202,7 +202,7 @@ def agent_prompts(tok, system: str, i: int):
     name = " ".join(rng.choice(["Bripi", "Laele", "Ostra", "Quen", "Varo", "Tamsin", "Ilke"]) for _ in range(2))
     question = f"Task: In which year was {name} founded, according to the encyclopedia?\nYou have 3 steps."
     first = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": question}],
-                                    add_generation_prompt=True) + tok.encode("<think>")
+                                    add_generation_prompt=True, return_dict=False) + tok.encode("<think>")
 
     def observation(turn: int) -> list[int]:
         page = f"{name}: " + " ".join(rng.choice(words) for _ in range(40)) + f". Founded in {1700 + i}."
@@ -347,7 +347,7 @@ async def server_vs_inprocess(args) -> float | None:
         model, tok = load_model(args.model)
         proc, url = server.result()
     messages = [{"role": "user", "content": "Write a short story about a robot who learns to paint."}]
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)  # ids (transformers 4, 5)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     print(f"model {args.model}, prompt {len(prompt)} tokens, {new_tokens} new tokens per sequence, "
           f"torch threads {torch.get_num_threads()}, best of {rounds}, setup {time.perf_counter() - t0:.1f}s")

@@ -621,7 +621,8 @@ async def test_smollm2_server_stops_at_im_end_and_is_on_policy():
     proc, url = start_server_process("smollm2-135m", timeout=300)
     try:
         model, tok = load_model("smollm2-135m")
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, return_dict=False)  # ids, transformers 4 and 5
         async with InferenceClient([url], InferenceConfig(timeout=300)) as client:
             greedy, sampled = await asyncio.gather(
                 client.generate(prompt, {"max_new_tokens": 64, "temperature": 0.0}),

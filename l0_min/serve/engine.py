@@ -500,34 +500,22 @@ class Engine:
                             for q, n in zip(group, lens)])
         logits = self._forward(ids, first, cols)
         self.prefill_batch_sizes = (self.prefill_batch_sizes + [len(group)])[-1000:]
-        done = []
+        self.running += group  # rows first..; those whose prompt is not all in yet leave again below
         for row, (seq, n) in enumerate(zip(group, lens), first):
             seq.prefilled += n
-            if seq.prefilled == len(seq.input_ids):
-                done.append(row - first)
-                continue
-            # a chunk of a long prompt, or a shared prefix: its keys/values wait outside the batch, and others
-            # may copy them from the radix cache
-            seq.prefix = [kv.buf[:, :, row, :, : seq.prefilled].clone()]
-            if self.prefix_cache.max_tokens:
-                self.prefix_cache.insert(seq.input_ids[: seq.prefilled], lambda a, b: seq.prefix[0][..., a:b, :])
-        if done:
-            seqs = [group[g] for g in done]
-            gone = {id(s) for s in seqs}
-            self.prefilling = [s for s in self.prefilling if id(s) not in gone]
-            self._take_token(logits[done], seqs)
-            for g, seq in zip(done, seqs):
-                seq.prefix, row = [], first + g
-                # a finished prompt's keys/values are shared; so is one mostly computed here (others that start
-                # the same way, a system prompt, may arrive while it runs)
-                if seq.finish_reason or seq.cached_tokens < len(seq.input_ids) // 2:
-                    self._to_cache(seq, row)
-                if seq.finish_reason:
-                    self._notify(seq)
-                    continue
-                if row != len(self.running):  # close the gap a chunked or finished row left
-                    kv.buf[:, :, len(self.running), :, : seq.kv_len] = kv.buf[:, :, row, :, : seq.kv_len]
-                self.running.append(seq)
+            if seq.prefilled < len(seq.input_ids):  # a chunk of a long prompt, or a shared prefix: its keys/values
+                seq.prefix = [kv.buf[:, :, row, :, : seq.prefilled].clone()]  # wait outside the batch
+                if self.prefix_cache.max_tokens:
+                    self.prefix_cache.insert(seq.input_ids[: seq.prefilled], lambda a, b: seq.prefix[0][..., a:b, :])
+        if done := [g for g, seq in enumerate(group) if seq.prefilled == len(seq.input_ids)]:
+            self._take_token(logits[done], [group[g] for g in done])
+        gone = {id(group[g]) for g in done}
+        self.prefilling = [s for s in self.prefilling if id(s) not in gone]
+        for g in done:
+            group[g].prefix = []
+            if not group[g].finish_reason and group[g].cached_tokens < len(group[g].input_ids) // 2:
+                self._to_cache(group[g], first + g)  # mostly computed here: shared now (a system prompt...)
+        self._leave([first + g for g, seq in enumerate(group) if seq.finish_reason or g not in done])
         return width * len(group)
 
     def _reserve(self, rows: int, cols: int) -> BatchKV:
@@ -559,12 +547,17 @@ class Engine:
         self.steps += 1
         self.step_batch_sizes = (self.step_batch_sizes + [len(batch)])[-1000:]
         self._take_token(logits, batch)
-        if done := [r for r, s in enumerate(batch) if s.finish_reason is not None]:
-            seqs = [batch[r] for r in done]
-            for r, seq in zip(done, seqs):
+        self._leave([r for r, s in enumerate(batch) if s.finish_reason is not None])
+
+    def _leave(self, rows: list[int]) -> None:
+        """Rows leave the batch; a finished sequence's keys/values go to the radix cache, then it is notified."""
+        seqs = [self.running[r] for r in rows]
+        for r, seq in zip(rows, seqs):
+            if seq.finish_reason:
                 self._to_cache(seq, r)
-            self._drop_rows(done)
-            for seq in seqs:
+        self._drop_rows(rows)
+        for seq in seqs:
+            if seq.finish_reason:
                 self._notify(seq)
 
     def _to_cache(self, seq: Sequence, row: int) -> None:
