@@ -462,8 +462,9 @@ async def _serve(args) -> None:
     engine = Engine(model, tokenizer, max_running=args.max_running_requests, max_total_tokens=args.max_total_tokens,
                     prefill_chunk=args.prefill_chunk, prefix_cache_tokens=args.prefix_cache_tokens,
                     weight_version=args.weight_version).start()
-    log.info("loaded %s (%s) in %.1fs, %d torch threads; keys/values: batch %d tokens, prefix cache %d tokens", args.model,
-             path, time.time() - t0, torch.get_num_threads(), engine.max_total_tokens, engine.prefix_cache.max_tokens)
+    log.info("loaded %s (%s) in %.1fs, %d torch threads; keys/values: batch %d tokens, prefix cache %d tokens",
+             args.model, path, time.time() - t0, torch.get_num_threads(), engine.max_total_tokens,
+             engine.prefix_cache.max_tokens)
     app = make_app(engine, str(path), str(path), api_key=args.api_key)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None if args.log_level != "debug" else log)
     await runner.setup()
