@@ -85,6 +85,9 @@ async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> N
     for old in folder.parent.glob("step_*"):
         if old != folder:
             shutil.rmtree(old, ignore_errors=True)
+    from .serve.engine import trim_heap
+
+    trim_heap()  # what the learner step and the export freed (GBs of activations) goes back to the system
 
 
 def tree_pss_mb(pid: int) -> float:

@@ -211,10 +211,10 @@ class RadixCache:
     def clear(self) -> None:
         self.root.children.clear()
         self.tokens = 0
-        _trim_heap()
+        trim_heap()
 
 
-def _trim_heap() -> None:
+def trim_heap() -> None:
     """Give the heap's free pages back to the system (glibc keeps freed memory for reuse)."""
     with contextlib.suppress(AttributeError, OSError):  # not glibc
         ctypes.CDLL(None).malloc_trim(0)
@@ -416,7 +416,7 @@ class Engine:
             except queue.Empty:
                 if block and self.kv is not None:  # idle a while (a learner step?): the batch's memory goes back
                     self.kv = None
-                    _trim_heap()
+                    trim_heap()
                 return
             block = False
 
