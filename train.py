@@ -77,7 +77,7 @@ from l0_min.learner import Learner, close_distributed, init_distributed, shard_r
 from l0_min.log import (MetricsLogger, RunDir, batch_metrics, eval_summaries, format_eval, label, log_step,  # noqa: E402
                         plot_rewards, step_header)
 from l0_min.models import resolve_model  # noqa: E402
-from l0_min.runtime import rollout_env, settle_gc, sync_weights  # noqa: E402
+from l0_min.runtime import PEAK_MB, rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
 
 try:
@@ -344,6 +344,8 @@ if rank0:
     if run.metrics_jsonl.is_file():
         plot_rewards(run.metrics_jsonl, run.plots / "rewards.png")
         write_viewer(run.path, run.viewer_html, cfg.log.viewer_max_per_step or None)
+    print(f"peak memory: {PEAK_MB[0] / 1024:.1f} GB (PSS of train.py, the inference server and the kernels, "
+          "sampled every 2 s)", flush=True)
     print(f"\nrun folder: {run.path}\n  metrics: {run.metrics_jsonl}\n  plot: {run.plots / 'rewards.png'}\n  viewer: {run.viewer_html}", flush=True)
 close_distributed(control)  # the control group: the other ranks may wait here through rank 0's last evaluation
 sys.exit(exit_code)

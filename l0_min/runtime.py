@@ -24,6 +24,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 from .collect import Services
@@ -83,6 +85,36 @@ async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> N
     for old in folder.parent.glob("step_*"):
         if old != folder:
             shutil.rmtree(old, ignore_errors=True)
+    from .serve.engine import trim_heap
+
+    trim_heap()  # what the learner step and the export freed (GBs of activations) goes back to the system
+
+
+def tree_pss_mb(pid: int) -> float:
+    """PSS (shared pages split among the processes that map them) of a process and all its descendants, MB."""
+    kb, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
+            kb += int(Path(f"/proc/{p}/smaps_rollup").read_text().split("\nPss:")[1].split()[0])
+            for task in os.listdir(f"/proc/{p}/task"):  # a child is listed under the thread that started it
+                stack += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
+    return kb / 1024
+
+
+PEAK_MB = [0.0]  # the largest tree_pss_mb of this process that watch_memory's thread saw
+
+
+def watch_memory(every: float = 2.0) -> None:
+    """From the first call on, a thread samples the memory of this process and its descendants (the embedded
+    server, the kernels) every `every` seconds into PEAK_MB[0]."""
+    def sample():
+        while True:
+            PEAK_MB[0] = max(PEAK_MB[0], tree_pss_mb(os.getpid()))
+            time.sleep(every)
+
+    if not any(t.name == "l0_min-memory" for t in threading.enumerate()):
+        threading.Thread(target=sample, daemon=True, name="l0_min-memory").start()
 
 
 def settle_gc(young: int = 20_000) -> None:
@@ -119,6 +151,7 @@ async def policy_client(cfg: Config, model_path: str | Path, log_dir: str | Path
 async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: list, envs: dict,
                       log_dir: str | Path | None = None):
     async with contextlib.AsyncExitStack() as stack:
+        watch_memory()
         await asyncio.to_thread(check_sandbox, cfg.sandbox)  # seconds, where the servers may take minutes
         client = await stack.enter_async_context(policy_client(cfg, model_path, log_dir))
         searching = [e for e in envs.values() if e.tools]

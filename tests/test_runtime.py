@@ -47,3 +47,38 @@ def test_train_stops_at_start_up_with_that_line(bwrap_without_namespaces, tmp_pa
     assert p.returncode == 2 and len(errors) == 1, p.stderr[-2000:]
     assert "bwrap cannot start a sandbox here (bwrap: No permissions" in errors[0]
     assert "inference ready" not in p.stdout  # checked before the inference server is started or waited for
+
+
+def test_memory_peak_counts_children_started_from_any_thread():
+    # a child started from a worker thread (asyncio.to_thread starts the embedded server so) is listed under
+    # that thread in /proc while it lives, not under the main one; its 200 MB, touched, are in the tree's PSS
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from l0_min.runtime import PEAK_MB, tree_pss_mb, watch_memory
+
+    before, started, measured = tree_pss_mb(os.getpid()), [], threading.Event()
+    code = "import sys, time; b = bytearray(200 << 20); print('ok', flush=True); time.sleep(30)"
+
+    def spawn():
+        started.append(subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True))
+        measured.wait(30)
+
+    thread = threading.Thread(target=spawn)
+    thread.start()
+    try:
+        while not started:
+            time.sleep(0.01)
+        assert started[0].stdout.readline() == "ok\n"
+        watch_memory(every=0.05)
+        deadline = time.time() + 10
+        while PEAK_MB[0] < before + 190 and time.time() < deadline:  # 200 MB private, ~10 MB of its own
+            time.sleep(0.05)
+        assert tree_pss_mb(os.getpid()) - before > 190 and PEAK_MB[0] - before > 190
+    finally:
+        measured.set()
+        started[0].kill()
+        started[0].wait()
+        thread.join()

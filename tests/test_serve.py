@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from l0_min.config import InferenceConfig
-from l0_min.serve.engine import Engine, SamplingParams, Sequence, sample
+from l0_min.serve.engine import Engine, RadixCache, SamplingParams, Sequence, sample
 from l0_min.inference import InferenceClient
 from l0_min.models import ModelNotFoundError, load_model, resolve_model
 
@@ -201,15 +201,17 @@ def running_engine(model, tok, **kw):
 
 def run_all(engine, requests, join_after_steps=0):
     """Submit (ids, params) pairs, each `join_after_steps` engine steps after the previous one (0: all at
-    once); wait for all; return the finished Sequences. Counting engine steps, not seconds, makes the
-    later requests arrive mid-decode however fast or loaded the machine is."""
+    once, queued between two engine steps); wait for all; return the finished Sequences. Counting engine
+    steps, not seconds, makes the later requests arrive mid-decode however fast or loaded the machine is."""
     done = threading.Semaphore(0)
     seqs = [Sequence(rid=str(i), input_ids=ids, params=p, on_done=lambda s: done.release()) for i, (ids, p) in enumerate(requests)]
-    for s in seqs:
+    if not join_after_steps:  # submitted from the engine thread: all are queued before its next step
+        engine.call(lambda: [engine.submit(s) for s in seqs]).result(timeout=60)
+    for s in seqs if join_after_steps else []:
         start = engine.steps
         engine.submit(s)
         deadline = time.time() + 30
-        while join_after_steps and engine.steps < start + join_after_steps and time.time() < deadline:
+        while engine.steps < start + join_after_steps and time.time() < deadline:
             time.sleep(0.001)
     for _ in seqs:
         assert done.acquire(timeout=60)
@@ -321,8 +323,9 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once(tiny):
     greedy = SamplingParams(max_new_tokens=8, temperature=0.0, ignore_eos=True)
     system = byte_ids("a long system prompt that every agent of the batch starts with. ")
     prompts = [system + byte_ids(f"task {i}: question {7 * i}") for i in range(6)]
-    with running_engine(model, tok, prefill_chunk=len(prompts[0]) + 4) as engine:
+    with running_engine(model, tok) as engine:
         shared = run_all(engine, [(p, greedy) for p in prompts])
+        assert engine.prefill_batch_sizes == [1, 6]  # the shared part once, then the six rests in one forward
     with running_engine(model, tok, prefix_cache_tokens=0) as engine:
         alone = run_all(engine, [(p, greedy) for p in prompts])
     assert shared[0].cached_tokens == 0
@@ -330,6 +333,51 @@ def test_a_burst_sharing_a_system_prompt_computes_it_once(tiny):
     assert [s.output_ids for s in shared] == [s.output_ids for s in alone]
     for a, b in zip(shared, alone):
         assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def test_next_turns_of_several_agents_are_prefilled_in_one_forward(tiny):
+    # each agent's next prompt extends its previous turn by a different amount: every row copies its own
+    # cached prefix (different lengths) and all rows compute their new tokens in one forward
+    model, tok = tiny
+    greedy = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    first = [byte_ids(f"agent {i} asks question {i * 13}") for i in range(4)]
+    with running_engine(model, tok) as engine:
+        turn1 = run_all(engine, [(p, greedy) for p in first])
+        second = [p + s.output_ids + byte_ids(" observation" + "!" * i) for i, (p, s) in enumerate(zip(first, turn1))]
+        forwards = len(engine.prefill_batch_sizes)
+        turn2 = run_all(engine, [(p, greedy) for p in second])
+        assert engine.prefill_batch_sizes[forwards:] == [4]
+    assert [s.cached_tokens for s in turn2] == [len(p) + 11 for p in first]  # all the first turn computed
+    with running_engine(model, tok, prefix_cache_tokens=0) as engine:
+        alone = run_all(engine, [(p, greedy) for p in second])
+    assert [s.output_ids for s in turn2] == [s.output_ids for s in alone]
+    for a, b in zip(turn2, alone):
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def test_radix_cache_shares_prefixes_splits_edges_and_evicts_the_least_recent():
+    def kv(ids):  # the "keys/values" of a token are its id: what comes back shows which tokens it covers
+        return lambda a, b: torch.tensor(ids[a:b], dtype=torch.float)[None, None, None, :, None]
+
+    def got(ids):
+        n, segments = cache.lookup(ids)
+        return n, torch.cat(segments, dim=-2).flatten().int().tolist() if segments else []
+
+    cache = RadixCache(max_tokens=10)
+    cache.insert([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]))
+    cache.insert([1, 2, 3, 9], kv([1, 2, 3, 9]))  # splits the first edge after [1, 2, 3]
+    assert cache.tokens == 6  # the shared prefix is held once
+    assert got([1, 2, 3, 9, 7]) == (4, [1, 2, 3, 9])
+    assert got([1, 2, 3, 4]) == (3, [1, 2, 3])  # at most all but the last prompt token
+    assert got([8, 1]) == (0, [])
+    # a leaf a lookup takes whole ([9] above) is one sequence's context, now in the batch: it goes first
+    cache.insert([7, 8, 9, 10, 11], kv([7, 8, 9, 10, 11]))  # 11 tokens > 10
+    assert cache.tokens == 10 and got([1, 2, 3, 9, 0])[0] == 3
+    assert got([1, 2, 3, 4, 5, 6]) == (5, [1, 2, 3, 4, 5])
+    cache.insert([1, 2, 3, 8], kv([1, 2, 3, 8]))  # 11 tokens again: [4, 5], just taken whole, goes
+    assert cache.tokens == 9 and got([1, 2, 3, 4, 5, 6])[0] == 3 and got([7, 8, 9, 10, 11, 0])[0] == 5
+    cache.clear()
+    assert cache.tokens == 0 and got([1, 2, 3, 9, 0]) == (0, [])
 
 
 def test_engine_rejects_what_it_cannot_run(tiny):
@@ -362,6 +410,11 @@ def test_sample_greedy_topk_topp_minp_and_tempered_logprobs():
     assert set(ids.tolist()) == {0, 1}  # top_k=2 keeps exactly two
     ids = torch.cat([run()[0] for _ in range(200)])
     assert set(ids.tolist()) == {0, 1, 2, 3}
+    # the unrestricted sampler follows softmax(logits / T): over 6 x 4000 draws a frequency's standard
+    # error is at most sqrt(0.25 / 24000) = 0.0032; 5 of them is 0.016
+    ids = torch.cat([run(temperature=0.7)[0] for _ in range(4000)])
+    freq = torch.bincount(ids, minlength=4) / len(ids)
+    assert (freq - torch.softmax(logits[0] / 0.7, -1)).abs().max() < 0.016, freq
 
     ids, lps = run(temperature=0.5, top_p=0.9)  # SGLang's default: tempered, not renormalised by top_p
     assert torch.allclose(lps, torch.log_softmax(logits[0] / 0.5, -1)[ids])
@@ -575,7 +628,8 @@ async def test_smollm2_server_stops_at_im_end_and_is_on_policy():
     proc, url = start_server_process("smollm2-135m", timeout=300)
     try:
         model, tok = load_model("smollm2-135m")
-        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+        prompt = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                         add_generation_prompt=True, return_dict=False)  # ids, transformers 4 and 5
         async with InferenceClient([url], InferenceConfig(timeout=300)) as client:
             greedy, sampled = await asyncio.gather(
                 client.generate(prompt, {"max_new_tokens": 64, "temperature": 0.0}),
