@@ -183,41 +183,46 @@ def normalize_path(s: str | None) -> str:
 
 
 def expert_actions(task: Task) -> list[str]:
-    """Two steps: compute the answer in code over the files and print it, then submit it. The first
-    <think> states the plan, the second what the output said.
+    """One step: the <think> states the plan, the cell computes the answer over the files and submits it.
+    The kinds share their code's shape (count and sum: `n = sum(...)`; where and returns: the file with
+    `def name(` as `path`), so a small model learns four patterns as two.
 
-    >>> for a in expert_actions(make_tasks(0, 10)[9]): print(a)
-    <think>I count the lines of logs/auth.log that contain " INFO " and " search ".</think>
-    <code>n = sum(1 for line in open("logs/auth.log") if " INFO " in line and " search " in line)
-    print(n)</code>
-    <think>The output is 3: the number of lines. I submit it.</think>
-    <code>submit_final_answer(str(n))</code>
+    >>> for kind in KINDS: print(expert_actions(next(t for t in make_tasks(0, 20) if t.meta["kind"] == kind))[0])
+    <think>I count the lines of logs/api.log that contain " delete ", and submit the count.</think>
+    <code>n = sum(1 for line in open("logs/api.log") if " delete " in line)
+    submit_final_answer(str(n))</code>
+    <think>I add up the tickets column of data/staff.csv over the rows whose role is dev, and submit the sum.</think>
+    <code>import csv
+    n = sum(int(r["tickets"]) for r in csv.DictReader(open("data/staff.csv")) if r["role"] == "dev")
+    submit_final_answer(str(n))</code>
+    <think>I find the .py file under src that contains "def compute_limit(", and submit its path.</think>
+    <code>import glob
+    path = [p for p in glob.glob("src/*/*.py") if "def compute_limit(" in open(p).read()][0]
+    submit_final_answer(path)</code>
+    <think>I find the .py file under src that contains "def min_timeout(", run it, and submit what min_timeout() returns.</think>
+    <code>import glob
+    path = [p for p in glob.glob("src/*/*.py") if "def min_timeout(" in open(p).read()][0]
+    exec(open(path).read())
+    submit_final_answer(str(min_timeout()))</code>
     """
-    m, gold = task.meta, task.answers[0]
+    m = task.meta
     if m["kind"] == "count":
-        terms = " and ".join(f'" {t} "' for t in m["terms"])
-        test = " and ".join(f'" {t} " in line' for t in m["terms"])
-        first = (f"I count the lines of {m['file']} that contain {terms}.",
-                 f'n = sum(1 for line in open("{m["file"]}") if {test})\nprint(n)')
-        last = (f"The output is {gold}: the number of lines. I submit it.", "submit_final_answer(str(n))")
+        terms, test = (" and ".join(f'" {t} "{s}' for t in m["terms"]) for s in ("", " in line"))
+        think = f"I count the lines of {m['file']} that contain {terms}, and submit the count."
+        code = f'n = sum(1 for line in open("{m["file"]}") if {test})\nsubmit_final_answer(str(n))'
     elif m["kind"] == "sum":
         (by, val), col = m["where"], m["column"]
-        first = (f"I add up the {col} column of {m['file']} over the rows whose {by} is {val}.",
-                 f'import csv\nn = sum(int(r["{col}"]) for r in csv.DictReader(open("{m["file"]}")) if r["{by}"] == "{val}")\n'
-                 + "print(n)")
-        last = (f"The output is {gold}: the sum. I submit it.", "submit_final_answer(str(n))")
-    elif m["kind"] == "where":
-        f = m["function"]
-        first = (f"I look for 'def {f}(' in the .py files under src.",
-                 f'import glob\npaths = [p for p in glob.glob("src/*/*.py") if "def {f}(" in open(p).read()]\nprint(paths)')
-        last = (f"{f} is defined in {gold}. I submit that path.", "submit_final_answer(paths[0])")
+        think = f"I add up the {col} column of {m['file']} over the rows whose {by} is {val}, and submit the sum."
+        code = (f'import csv\nn = sum(int(r["{col}"]) for r in csv.DictReader(open("{m["file"]}")) if r["{by}"] == "{val}")'
+                "\nsubmit_final_answer(str(n))")
     else:
         f = m["function"]
-        first = (f"I find the .py file under src that defines {f}, run it and call {f}().",
-                 f'import glob\npath = [p for p in glob.glob("src/*/*.py") if "def {f}(" in open(p).read()][0]\n'
-                 + f"exec(open(path).read())\nprint(path, {f}())")
-        last = (f"{f}() in {m['file']} returns {gold}. I submit it.", f"submit_final_answer(str({f}()))")
-    return [f"<think>{think}</think>\n<code>{code}</code>" for think, code in (first, last)]
+        find = f'import glob\npath = [p for p in glob.glob("src/*/*.py") if "def {f}(" in open(p).read()][0]\n'
+        think = f'I find the .py file under src that contains "def {f}(", ' + (
+            "and submit its path." if m["kind"] == "where" else f"run it, and submit what {f}() returns.")
+        code = find + ("submit_final_answer(path)" if m["kind"] == "where"
+                       else f"exec(open(path).read())\nsubmit_final_answer(str({f}()))")
+    return [f"<think>{think}</think>\n<code>{code}</code>"]
 
 
 # ------------------------------------------------------------------------------- the environment
@@ -227,14 +232,12 @@ You answer questions about the files in the working directory (logs/, CSV tables
 src/) by writing Python. Each step, write <think>...</think> then one <code>...</code> cell; you see its \
 output. submit_final_answer(answer) ends the task with a short answer."""
 
-# One solved task as earlier chat turns (agent.worked_example), its output as the kernel prints it.
+# One solved task as earlier chat turns (agent.worked_example).
 WORKED_EXAMPLE = (
     {"role": "user", "content": "Task: How many lines of logs/web.log have level WARN?\nYou have 3 steps."},
-    {"role": "assistant", "content": "<think>I count the lines of logs/web.log that contain \" WARN \".</think>\n"
-                                     "<code>n = sum(1 for line in open(\"logs/web.log\") if \" WARN \" in line)\nprint(n)</code>"},
-    {"role": "user", "content": "<output>\n5\n</output>\n[2 steps left]"},
-    {"role": "assistant", "content": "<think>The output is 5: the number of lines. I submit it.</think>\n"
-                                     "<code>submit_final_answer(str(n))</code>"},
+    {"role": "assistant", "content": "<think>I count the lines of logs/web.log that contain \" WARN \", and submit the "
+                                     "count.</think>\n<code>n = sum(1 for line in open(\"logs/web.log\") if \" WARN \" in "
+                                     "line)\nsubmit_final_answer(str(n))</code>"},
 )  # fmt: skip
 
 
