@@ -265,7 +265,7 @@ class Files(TaskEnvBase):
             correct = float(pred is not None and normalize_path(pred) == normalize_path(gold))
         else:
             correct = float(numbers_equal(pred, gold))
-        return {"core": answer_reward(pred, [gold], r.em_weight, r.has_answer_weight, correct), "correct": correct}
+        return {"core": answer_reward(pred, correct, r.em_weight, r.has_answer_weight), "correct": correct}
 
     def expert(self, task: Task) -> list[str]:
         return expert_actions(task)
