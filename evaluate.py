@@ -64,8 +64,9 @@ import aiohttp
 
 from l0_min import config as config_mod
 from l0_min.context import ChatFormat
-from l0_min.data import DataError, benchmark_name, corpus_from_tasks, load_benchmark
+from l0_min.data import DataError, benchmark_name, load_benchmark
 from l0_min.episode import ANSWERED
+from l0_min.envs.qa import corpus_from_tasks
 from l0_min.evaluation import (
     EvalError,
     ResultsFile,

@@ -31,9 +31,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import csv
-import functools
 import gzip
-import hashlib
 import json
 import logging
 import os
@@ -426,103 +424,3 @@ def load_tasks(spec: str, cfg: DataConfig | None = None, limit: int | None = Non
         return load_benchmark(spec, limit=limit, skip_bad_rows=cfg.skip_bad_rows, data_dir=cfg.data_dir or None)
     raise DataError(f"data spec {spec!r} is not 'synthetic[:train|:heldout]', a benchmark name "
                     f"({', '.join(BENCHMARKS)}), or an existing file")
-
-
-# ------------------------------------------------------------------------------------- corpora
-def doc_id(title: str, text: str) -> str:
-    """Stable id of a paragraph: a hash of its title and text (independent of which tasks are loaded).
-
-    >>> doc_id("Ed Wood", "Edward Davis Wood Jr. was an American filmmaker.")
-    'p-cc03405bdb'
-    """
-    return "p-" + hashlib.sha1(f"{title}\n{text}".encode()).hexdigest()[:10]
-
-
-@functools.lru_cache(maxsize=8)
-def _world_corpus(seed: int, n_entities: int) -> tuple:
-    from l0_min.envs.qa import make_world
-
-    return tuple(make_world(seed, n_entities, n_tasks=0).corpus)
-
-
-def corpus_from_tasks(tasks: list[Task]) -> list[dict]:
-    """The union of the tasks' own paragraphs, deduplicated: HotpotQA/2Wiki `context`, MuSiQue
-    `paragraphs`, and the synthetic world's pages. [] when the tasks carry none.
-
-    >>> t = Task("1", "q", ["a"], {"context": [["Ed Wood", ["Ed Wood was", " a director."]]]})
-    >>> corpus_from_tasks([t, t])
-    [{'id': 'p-fe3483079e', 'title': 'Ed Wood', 'text': 'Ed Wood was a director.'}]
-    """
-    docs: dict[str, dict] = {}
-    for t in tasks:
-        m = t.meta
-        if m.get("source") == "world":
-            for d in _world_corpus(m["seed"], m["n_entities"]):
-                docs.setdefault(d["id"], dict(d))
-        for title, text in ([(title, "".join(sents)) for title, sents in m.get("context") or []]
-                            + [(p["title"], p["paragraph_text"]) for p in m.get("paragraphs") or []]):
-            if text := text.strip():
-                docs.setdefault(doc_id(title, text), {"id": doc_id(title, text), "title": title, "text": text})
-    return list(docs.values())
-
-
-def kilt_passages(title: str, paragraphs: list[str], words: int = 100) -> list[str]:
-    """A KILT page as passages of `words` words (DPR-style chunks of the page's running text).
-    The title line, "Section::::" headings and "BULLET::::" markers are dropped.
-
-    >>> kilt_passages("A", ["A\\n", "one two three\\n", "Section::::History.\\n", "BULLET::::- four five\\n"], words=2)
-    ['one two', 'three four', 'five']
-    """
-    stream: list[str] = []
-    for i, p in enumerate(paragraphs):
-        p = p.strip()
-        if not p or (i == 0 and p == title.strip()) or p.startswith("Section::::"):
-            continue
-        stream += p.replace("BULLET::::-", "").replace("BULLET::::", "").split()
-    return [" ".join(stream[j:j + words]) for j in range(0, len(stream), words)]
-
-
-def load_corpus(path: str | Path, passage_words: int = 100) -> list[dict]:
-    """Documents {id, title, text} of a JSONL/JSON/parquet corpus in one of the forms {id, title, text},
-    KILT {wikipedia_id?, wikipedia_title, text: [paragraphs]} (split into passages of `passage_words`
-    words, ids "<wikipedia_id or title>#<k>"), or wiki-18 DPR {id, contents: '"Title"\\ntext'}.
-    A bad row or a repeated id is a DataError naming file and row."""
-    path = Path(path)
-    stem = path.name.split(".")[0]
-    docs, seen = [], {}
-    for i, row in read_records(path):
-        try:
-            if isinstance(row, Exception):
-                raise row
-            if not isinstance(row, dict):
-                raise _RowError(f"expected an object, got {type(row).__name__}")
-            rid = _row_id(row) or f"{stem}:{i}"
-            if "contents" in row:
-                if not isinstance(row["contents"], str):
-                    raise _RowError("field 'contents' must be a string")
-                first, _, text = row["contents"].partition("\n")
-                new = [(rid, first.strip().strip('"'), text.strip())]
-            elif "wikipedia_title" in row:
-                if not isinstance(row.get("text"), list):
-                    raise _RowError("KILT row: field 'text' must be a list of paragraphs")
-                title = _text(row, "wikipedia_title")
-                base = str(row.get("wikipedia_id") or title)
-                passages = kilt_passages(title, row["text"], passage_words)
-                new = [(f"{base}#{k}", title, t) for k, t in enumerate(passages)]
-            elif "text" in row and "title" in row:
-                if not isinstance(row["text"], str) or not isinstance(row["title"], str):
-                    raise _RowError("fields 'title' and 'text' must be strings")
-                new = [(rid, row["title"].strip(), row["text"].strip())]
-            else:
-                raise _RowError(f"not a corpus row ({{id, title, text}}, KILT or wiki-18); fields: {sorted(row)[:12]}")
-            for did, title, text in new:
-                if did in seen:
-                    raise _RowError(f"duplicate document id {did!r} (first at row {seen[did]})")
-                seen[did] = i
-                docs.append({"id": did, "title": title, "text": text})
-        except _RowError as e:
-            raise DataError(f"{path}: row {i}: {e}") from None
-    if not docs:
-        raise DataError(f"{path}: no documents")
-    return docs
-

@@ -18,7 +18,7 @@ A record (one line of results.jsonl):
      "grade": "correct", "judge": "<judge model>", "judge_error": ""}     (the last three when judged)
 
 Scoring (see `summarize`, also per source for a mixed file, as the papers print it): EM and F1 are the
-official SQuAD / HotpotQA ones (`official_normalize`), best over the gold aliases, so tables compare with
+official SQuAD / HotpotQA ones (`envs.qa.official_normalize`), best over the gold aliases, so tables compare with
 published numbers; lenient_em / lenient_f1 are the training reward's Unicode-aware scores. The judge
 (SimpleQA style) grades each sample correct / incorrect / not attempted, or "unparsed" when its reply
 named no grade (counted apart, and said), kept in the record for resumes.
@@ -31,14 +31,13 @@ import fcntl
 import json
 import math
 import re
-import string
 from collections import Counter
 from pathlib import Path
 from typing import Awaitable, Callable, Iterable
 
 from l0_min.episode import ENV_ERROR, Episode, Task
 from l0_min.log import open_jsonl, read_jsonl, write_jsonl
-from l0_min.envs.qa import exact_match, f1_score, token_f1
+from l0_min.envs.qa import exact_match, f1_score, official_em, official_f1
 from l0_min.rewards import has_answer
 
 # The papers' columns: L0's judged SimpleQA, then Search-R1's seven in the order its tables print them; each
@@ -60,34 +59,6 @@ def benchmark_key(source: str) -> str:
 
 class EvalError(ValueError):
     """A results file, evaluation folder or judge that cannot be used; the message names it."""
-
-
-# ------------------------------------ the official scores (hotpot_evaluate_v1.py / SQuAD v1.1)
-def official_normalize(s: str) -> str:
-    """hotpot_evaluate_v1.py's normalize_answer, exactly: lower, drop string.punctuation, drop the
-    articles a/an/the, collapse white space. (ASCII-only: "’" and full-width letters stay.)
-
-    >>> official_normalize("The  U.S.A.!"), official_normalize("“Tokyo”")
-    ('usa', '“tokyo”')
-    """
-    s = "".join(ch for ch in s.lower() if ch not in string.punctuation)
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
-
-
-def official_em(prediction: str | None, golds: Iterable[str]) -> float:
-    """Best exact match over the aliases, official normalisation. An unanswered prediction (None,
-    blank or only punctuation: `rewards.has_answer`) scores 0, where the script would match "" == ""."""
-    return float(has_answer(prediction) and any(official_normalize(prediction) == official_normalize(g) for g in golds))
-
-
-def official_f1(prediction: str | None, golds: Iterable[str]) -> float:
-    """Best token F1 over the aliases, as hotpot_evaluate_v1.py's f1_score (0.0 unanswered).
-
-    >>> official_f1("Barack Obama", ["Obama"]), official_f1("no", ["no way"]), official_f1(None, ["x"])
-    (0.6666666666666666, 0.0, 0.0)
-    """
-    p = official_normalize(prediction) if has_answer(prediction) else None
-    return max(token_f1(p, official_normalize(g)) for g in golds) if p is not None else 0.0
 
 
 # ------------------------------------------------------------------------------------- records

@@ -266,7 +266,7 @@ def parse_serper(data: dict, k: int) -> list[dict]:
 def make_backend(cfg: ToolsConfig, docs: list[dict] | None = None, env: dict | None = None):
     """The backend named by `cfg.search` (None for "none").
 
-    bm25 indexes `cfg.corpus` if set, else `docs` (e.g. `data.corpus_from_tasks(tasks)`).
+    bm25 indexes `cfg.corpus` if set, else `docs` (e.g. `envs.qa.corpus_from_tasks(tasks)`).
     serper needs its API key in the environment variable the config names.
     """
     env = os.environ if env is None else env
@@ -274,7 +274,7 @@ def make_backend(cfg: ToolsConfig, docs: list[dict] | None = None, env: dict | N
         return None
     if cfg.search == "bm25":
         if cfg.corpus:
-            from l0_min.data import load_corpus
+            from l0_min.envs.qa import load_corpus
 
             docs = load_corpus(cfg.corpus)
         if not docs:

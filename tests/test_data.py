@@ -10,14 +10,12 @@ import pytest
 from l0_min.config import DataConfig
 from l0_min.data import (
     DataError,
-    corpus_from_tasks,
     find_benchmark_file,
     load_benchmark,
-    load_corpus,
     load_file,
     load_tasks,
 )
-from l0_min.envs.qa import make_world
+from l0_min.envs.qa import corpus_from_tasks, load_corpus, make_world
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared benchmark data not present at {SHARED}")

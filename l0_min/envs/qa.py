@@ -24,7 +24,7 @@ reward means it learned to search, read and compute.
 Every task's meta says how to answer it: `support` (the page ids, in the order they are needed),
 `evidence` ([page id, sentence] pairs, each sentence verbatim in that page), `template`, `kind`
 (lookup | multihop | arithmetic | comparison), `hops` (pages needed), and `seed` / `n_entities`
-(which regenerate the corpus: see `data.corpus_from_tasks`). Arithmetic and comparison tasks also
+(which regenerate the corpus: see `corpus_from_tasks`). Arithmetic and comparison tasks also
 keep the looked-up `operands`.
 
 The same (seed, n_entities) always gives the same corpus; `n_tasks` only changes how many questions
@@ -38,9 +38,11 @@ import hashlib
 import json
 import random
 import re
+import string
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterable
 
 from l0_min import data
@@ -538,6 +540,131 @@ def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
     return max(token_f1(p, g_norm) if (g_norm := normalize_answer(g)) else exact_match(prediction, [g]) for g in golds)
 
 
+# ------------------------------------ the official scores (hotpot_evaluate_v1.py / SQuAD v1.1)
+def official_normalize(s: str) -> str:
+    """hotpot_evaluate_v1.py's normalize_answer, exactly: lower, drop string.punctuation, drop the
+    articles a/an/the, collapse white space. (ASCII-only: "’" and full-width letters stay.)
+
+    >>> official_normalize("The  U.S.A.!"), official_normalize("“Tokyo”")
+    ('usa', '“tokyo”')
+    """
+    s = "".join(ch for ch in s.lower() if ch not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+def official_em(prediction: str | None, golds: Iterable[str]) -> float:
+    """Best exact match over the aliases, official normalisation. An unanswered prediction (None,
+    blank or only punctuation: `rewards.has_answer`) scores 0, where the script would match "" == ""."""
+    return float(has_answer(prediction) and any(official_normalize(prediction) == official_normalize(g) for g in golds))
+
+
+def official_f1(prediction: str | None, golds: Iterable[str]) -> float:
+    """Best token F1 over the aliases, as hotpot_evaluate_v1.py's f1_score (0.0 unanswered).
+
+    >>> official_f1("Barack Obama", ["Obama"]), official_f1("no", ["no way"]), official_f1(None, ["x"])
+    (0.6666666666666666, 0.0, 0.0)
+    """
+    p = official_normalize(prediction) if has_answer(prediction) else None
+    return max(token_f1(p, official_normalize(g)) for g in golds) if p is not None else 0.0
+
+
+# ----------------------------------------------- corpora: what web_search / read_page search
+def doc_id(title: str, text: str) -> str:
+    """Stable id of a paragraph: a hash of its title and text (independent of which tasks are loaded).
+
+    >>> doc_id("Ed Wood", "Edward Davis Wood Jr. was an American filmmaker.")
+    'p-cc03405bdb'
+    """
+    return "p-" + hashlib.sha1(f"{title}\n{text}".encode()).hexdigest()[:10]
+
+
+@functools.lru_cache(maxsize=8)
+def _world_corpus(seed: int, n_entities: int) -> tuple:
+    return tuple(make_world(seed, n_entities, n_tasks=0).corpus)
+
+
+def corpus_from_tasks(tasks: list[Task]) -> list[dict]:
+    """The union of the tasks' own paragraphs, deduplicated: HotpotQA/2Wiki `context`, MuSiQue
+    `paragraphs`, and the synthetic world's pages. [] when the tasks carry none.
+
+    >>> t = Task("1", "q", ["a"], {"context": [["Ed Wood", ["Ed Wood was", " a director."]]]})
+    >>> corpus_from_tasks([t, t])
+    [{'id': 'p-fe3483079e', 'title': 'Ed Wood', 'text': 'Ed Wood was a director.'}]
+    """
+    docs: dict[str, dict] = {}
+    for t in tasks:
+        m = t.meta
+        if m.get("source") == "world":
+            for d in _world_corpus(m["seed"], m["n_entities"]):
+                docs.setdefault(d["id"], dict(d))
+        for title, text in ([(title, "".join(sents)) for title, sents in m.get("context") or []]
+                            + [(p["title"], p["paragraph_text"]) for p in m.get("paragraphs") or []]):
+            if text := text.strip():
+                docs.setdefault(doc_id(title, text), {"id": doc_id(title, text), "title": title, "text": text})
+    return list(docs.values())
+
+
+def kilt_passages(title: str, paragraphs: list[str], words: int = 100) -> list[str]:
+    """A KILT page as passages of `words` words (DPR-style chunks of the page's running text).
+    The title line, "Section::::" headings and "BULLET::::" markers are dropped.
+
+    >>> kilt_passages("A", ["A\\n", "one two three\\n", "Section::::History.\\n", "BULLET::::- four five\\n"], words=2)
+    ['one two', 'three four', 'five']
+    """
+    stream: list[str] = []
+    for i, p in enumerate(paragraphs):
+        p = p.strip()
+        if not p or (i == 0 and p == title.strip()) or p.startswith("Section::::"):
+            continue
+        stream += p.replace("BULLET::::-", "").replace("BULLET::::", "").split()
+    return [" ".join(stream[j:j + words]) for j in range(0, len(stream), words)]
+
+
+def load_corpus(path: str | Path, passage_words: int = 100) -> list[dict]:
+    """Documents {id, title, text} of a JSONL/JSON/parquet corpus in one of the forms {id, title, text},
+    KILT {wikipedia_id?, wikipedia_title, text: [paragraphs]} (split into passages of `passage_words`
+    words, ids "<wikipedia_id or title>#<k>"), or wiki-18 DPR {id, contents: '"Title"\\ntext'}.
+    A bad row or a repeated id is a DataError naming file and row."""
+    path = Path(path)
+    stem = path.name.split(".")[0]
+    docs, seen = [], {}
+    for i, row in data.read_records(path):
+        try:
+            if isinstance(row, Exception):
+                raise row
+            if not isinstance(row, dict):
+                raise data._RowError(f"expected an object, got {type(row).__name__}")
+            rid = data._row_id(row) or f"{stem}:{i}"
+            if "contents" in row:
+                if not isinstance(row["contents"], str):
+                    raise data._RowError("field 'contents' must be a string")
+                first, _, text = row["contents"].partition("\n")
+                new = [(rid, first.strip().strip('"'), text.strip())]
+            elif "wikipedia_title" in row:
+                if not isinstance(row.get("text"), list):
+                    raise data._RowError("KILT row: field 'text' must be a list of paragraphs")
+                title = data._text(row, "wikipedia_title")
+                base = str(row.get("wikipedia_id") or title)
+                passages = kilt_passages(title, row["text"], passage_words)
+                new = [(f"{base}#{k}", title, t) for k, t in enumerate(passages)]
+            elif "text" in row and "title" in row:
+                if not isinstance(row["text"], str) or not isinstance(row["title"], str):
+                    raise data._RowError("fields 'title' and 'text' must be strings")
+                new = [(rid, row["title"].strip(), row["text"].strip())]
+            else:
+                raise data._RowError(f"not a corpus row ({{id, title, text}}, KILT or wiki-18); fields: {sorted(row)[:12]}")
+            for did, title, text in new:
+                if did in seen:
+                    raise data._RowError(f"duplicate document id {did!r} (first at row {seen[did]})")
+                seen[did] = i
+                docs.append({"id": did, "title": title, "text": text})
+        except data._RowError as e:
+            raise data.DataError(f"{path}: row {i}: {e}") from None
+    if not docs:
+        raise data.DataError(f"{path}: no documents")
+    return docs
+
+
 # ------------------------------------------------------------------------------- the environment
 
 SYSTEM_PROMPT = """\
@@ -601,7 +728,7 @@ class QA(TaskEnvBase):
         return expert_actions(task)
 
     def corpus(self, tasks: list[Task]) -> list[dict]:
-        return data.corpus_from_tasks(tasks)
+        return corpus_from_tasks(tasks)
 
 
 def make_env(cfg) -> QA:
