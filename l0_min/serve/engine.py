@@ -433,8 +433,7 @@ class Engine:
             self._finish(seq, reason)
 
     def _admit(self) -> None:
-        """Waiting requests join while there are rows and the keys/values fit: rows x the longest prompt +
-        max_new_tokens among them (the shape the batch can grow to) stays within max_total_tokens."""
+        """Waiting requests join while there are rows and keys/values room (module doc, step 2)."""
         admitted, room = self.running + self.prefilling, lambda s: min(len(s.input_ids) + s.params.max_new_tokens,
                                                                         self.context_length)
         longest = max(map(room, admitted), default=0)
