@@ -18,10 +18,6 @@ Layout (`BatchKV`): one buffer [layers, 2, rows, kv_heads, columns, head_dim]; r
 tokens at columns 0..n_r-1 (column = position). A forward writes keys/values at per-row columns and
 attends through a 4D mask: rows of any length share a step without copies, a joining sequence copies its
 own prefix into a free row, and a leaving one is replaced by the last row.
-
-Log-probs, as SGLang's default: the returned log-prob of a sampled token is
-`log_softmax(logits / temperature)[token]` in fp32, before top-p / top-k / min-p renormalisation;
-greedy requests get `log_softmax(logits)`. The learner computes the same (logits / T).
 """
 
 from __future__ import annotations
@@ -105,7 +101,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 
     Greedy rows take the argmax. Other rows sample from softmax(logits / temperature) restricted to
     the top_k most likely tokens, the smallest set whose mass reaches top_p, and tokens with at least
-    min_p times the top probability. The log-prob is that of softmax(logits / temperature) (see module doc).
+    min_p times the top probability. The log-prob is that of softmax(logits / temperature) in fp32, before
+    that renormalisation (SGLang's default, what the learner computes; greedy rows: of softmax(logits)).
     Without a restriction a row samples by inverting its fp32 cumulative distribution with one uniform
     number (torch.multinomial draws one exponential per vocabulary entry: 30x slower at 64 x 49k).
     """
