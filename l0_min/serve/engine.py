@@ -418,9 +418,7 @@ class Engine:
             block = False
 
     def _abort(self, rid: str | None) -> None:
-        def hit(seq: Sequence) -> bool:
-            return rid is None or seq.rid == rid
-
+        hit = lambda seq: rid is None or seq.rid == rid  # noqa: E731
         reason = {"type": "abort", "message": f"Abort request {rid}" if rid else "Abort all requests"}
         aborted = [s for s in self.waiting + self.prefilling + self.running if hit(s)]
         self.waiting = [s for s in self.waiting if not hit(s)]
