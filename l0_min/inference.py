@@ -14,16 +14,11 @@ Token-in/token-out: every request sends `input_ids` and asks for `return_logprob
 and `skip_special_tokens=False`, so the returned ids are all the sampled ids (stop token or stop string
 included) and the text decodes all of them.
 
-Routing: generation goes to `urls` (SGLang servers, or one sglang-router URL); weight updates and
-version checks go to `inference.worker_urls` (default: `urls`), since a router has no
-/update_weights_from_disk. Keys: the variable `inference.api_key_env` names holds SGLang's --api-key
-(sent on every request), `inference.admin_api_key_env` its --admin-api-key (sent on
-/update_weights_from_disk). Every request of one episode goes to the same server, so its growing context
-stays in that server's prefix cache: the episode's first request picks the server with the fewest
-requests in flight (ties: round robin), later ones follow it (the key is `episode_key`, a context
-variable the agent sets per episode; through a router it is sent as the X-SMG-Routing-Key header, which
-sglang-router's consistent_hashing policy routes on). A server that fails a connection is skipped for
-a few seconds while others answer.
+Routing (README "On GPUs, against SGLang"): generation goes to `urls`; weight updates and version checks to
+`inference.worker_urls` (default: `urls`). Every request of one episode (the context variable `episode_key`,
+sent through a router as the X-SMG-Routing-Key header) goes to one server, whose prefix cache holds its
+context: the first to the server with the fewest requests in flight (ties: round robin). A server that fails
+a connection is skipped for a few seconds while others answer.
 
 Failures: connection errors, timeouts and HTTP 5xx (503 included) are retried with exponential backoff
 (`backoff`, doubled each time, at most 30 s between tries) up to `max_retries` times, and while no
@@ -31,10 +26,6 @@ server can be reached, until they have been down for `down_after` seconds; then 
 answer (a bad request) raises BadRequestError at once, with the server's message; a response without
 an expected field, InferenceError naming it. A weight update is never re-sent: when its answer is lost
 (timeout, dropped connection), the worker's weight version is polled until it reports the new one.
-
-Log-probs: SGLang returns log_softmax(logits / temperature) before top-p / top-k renormalisation (raw
-log_softmax for greedy requests), as the embedded server does; the learner divides its logits by the
-sampling temperature to match.
 """
 
 from __future__ import annotations

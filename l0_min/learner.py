@@ -7,12 +7,10 @@
 
 Each rank runs the same code (SPMD). The model is built on the meta device, `fully_shard` wraps every
 decoder layer, then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard.
-The process group is gloo on CPU and "cpu:gloo,cuda:nccl" with CUDA. Micro-batches are packed: rows
-are concatenated into one sequence of at most `micro_batch_tokens` with position ids restarting per
-row; linear layers run on the packed tokens and attention within each row (one varlen kernel call on
-CUDA in bf16, else one SDPA per row), so neither padding nor a dense block-diagonal mask is computed
-(bench/learner.py: the dense mask cost 2x at 4k-token micro-batches). The GPU speed paths (compiled
-layers, selective checkpointing) are `apply_*` functions composed in `_build` (torchtitan's style).
+Micro-batches are packed: rows are concatenated into one sequence of at most `micro_batch_tokens` with
+position ids restarting per row, attention stays within each row (`packed_sdpa`, `packed_varlen`): no
+padding, no dense block-diagonal mask (bench/learner.py: it cost 2x at 4k-token micro-batches). The GPU
+speed paths are `apply_*` functions composed in `_build` (torchtitan's style).
 
 Log-probs are those of the distribution the sampler drew from: log_softmax(logits / T) at the
 sampling temperature T (SGLang's default; top-p / top-k truncation is not modelled). The LM head
@@ -289,12 +287,11 @@ class _LinearLogProb(torch.autograd.Function):
 
 
 class LogProbHead(torch.nn.Linear):
-    """An LM head that returns log p(target) at temperature T instead of logits (same weights and
-    names: `model.lm_head.__class__ = LogProbHead`). It runs inside the model's forward, so FSDP2 has
-    the root's weights gathered. `_LinearLogProb` never holds more than one [chunk, vocab] block (at
-    Qwen's vocabulary, 2048 x 152k x 4 B = 1.2 GB, where full fp32 logits of a 32k-token micro-batch
-    were ~20 GB, twice). Set `targets` and `inv_t` before each forward (`token_logprobs` does);
-    `kernels` are the chunk's elementwise steps (`apply_compile` compiles them)."""
+    """An LM head that returns log p(target) at temperature T instead of logits (same weights and names:
+    `model.lm_head.__class__ = LogProbHead`), inside the model's forward, so FSDP2 has the root's weights
+    gathered. One [chunk, vocab] block at Qwen's vocabulary is 1.2 GB, where full fp32 logits of a 32k-token
+    micro-batch were ~20 GB, twice. `token_logprobs` sets `targets` and `inv_t`; `apply_compile` compiles
+    `kernels`, the chunk's elementwise steps."""
 
     chunk = 2048
     targets: torch.Tensor
@@ -309,12 +306,9 @@ class LogProbHead(torch.nn.Linear):
 def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tensor | None = None,
                    temperature: float = 1.0) -> torch.Tensor:
     """log p(ids[t] | ids[<t]) at `temperature` for a packed sequence, at the positions `need` marks
-    (default: all); every other position, and position 0 of every row (never an action), gets 0.
-    The model's lm_head must be a LogProbHead.
-
-    Returns a tensor of the same length as `ids`. Only the needed positions go through the LM head
-    (`logits_to_keep`): an agent row is mostly context, and full-vocabulary logits of every context
-    token were ~20% of the step's FLOPs and its largest tensor (tokens x vocab floats).
+    (default: all), as a tensor as long as `ids`; every other position, and position 0 of every row (never
+    an action), gets 0. The model's lm_head must be a LogProbHead. Only the needed positions go through it
+    (`logits_to_keep`): full-vocabulary logits of every context token were ~20% of the step's FLOPs.
     """
     starts = torch.nonzero(pos == 0).flatten()
     cu = torch.cat([starts, starts.new_tensor([len(pos)])]).to(torch.int32)

@@ -27,18 +27,15 @@ from html import escape
 from pathlib import Path
 
 from l0_min.episode import STATUSES
+from l0_min.log import _is_number
 
 
 def _e(x) -> str:
     return escape("" if x is None else str(x), quote=True)
 
 
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
 def _num(x, fmt: str = ".3g") -> str:
-    return format(x, fmt) if _is_num(x) else "-"
+    return format(x, fmt) if _is_number(x) else "-"
 
 
 def _mean(xs: list) -> str:
@@ -104,7 +101,7 @@ def _episode_html(ep: dict, group: str) -> str:
                f'<span class="ns">{len(steps)} step{"" if len(steps) == 1 else "s"}</span>'
                + ('<span class="badge masked">masked</span>' if ep.get("masked") else ""))
     chips = f'<span class="chip total">reward {_num(ep.get("reward"))}</span>' + "".join(
-        f'<span class="chip">{_e(k)} {_num(v) if _is_num(v) else _e(v)}</span>' for k, v in rewards.items())
+        f'<span class="chip">{_e(k)} {_num(v) if _is_number(v) else _e(v)}</span>' for k, v in rewards.items())
     tools = ", ".join(f"{_e(k)}×{_e(v)}" for k, v in (ep.get("tool_calls") or {}).items()) or "none"
     facts = [("question", f'<span class="qfull">{_e(task.get("question"))}</span>'),
              ("gold", " | ".join(f"<b>{_e(a)}</b>" for a in task.get("answers") or []) or "-"),

@@ -28,8 +28,7 @@ It sees only this file system:
 
 Everything else (home folders, the project, data, ground truth, other kernels) does not exist
 inside, and the root is read-only: the only writable places are the size-limited tmpfs mounts,
-which vanish with the sandbox. The host reaches the kernel's sockets from outside (kernel.py), so
-no host folder is writable from inside.
+which vanish with the sandbox (the host reaches the kernel's sockets from outside: kernel.py).
 
 Namespaces: all (user, ipc, pid, net, uts, cgroup; no user namespace on a root host, see below);
 the network is off unless `network=True`. Limits (prlimit): address space, file size, open files

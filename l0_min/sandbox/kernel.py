@@ -172,8 +172,7 @@ _swept = False
 
 
 class _Manager(AsyncKernelManager):
-    """jupyter_client's manager with our kernelspec (built per kernel, no kernelspec folder) and a hook:
-    after launch, before it connects, the host pins the kernel's sockets (Kernel._launched)."""
+    """jupyter_client's manager with a kernelspec built per kernel and the `Kernel._launched` hook."""
 
     spec: KernelSpec | None = None
     on_launched = None  # async callable; both set by Kernel

@@ -18,10 +18,6 @@ Layout (`BatchKV`): one buffer [layers, 2, rows, kv_heads, columns, head_dim]; r
 tokens at columns 0..n_r-1 (column = position). A forward writes keys/values at per-row columns and
 attends through a 4D mask: rows of any length share a step without copies, a joining sequence copies its
 own prefix into a free row, and a leaving one is replaced by the last row.
-
-Log-probs, as SGLang's default: the returned log-prob of a sampled token is
-`log_softmax(logits / temperature)[token]` in fp32, before top-p / top-k / min-p renormalisation;
-greedy requests get `log_softmax(logits)`. The learner computes the same (logits / T).
 """
 
 from __future__ import annotations
@@ -105,7 +101,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 
     Greedy rows take the argmax. Other rows sample from softmax(logits / temperature) restricted to
     the top_k most likely tokens, the smallest set whose mass reaches top_p, and tokens with at least
-    min_p times the top probability. The log-prob is that of softmax(logits / temperature) (see module doc).
+    min_p times the top probability. The log-prob is that of softmax(logits / temperature) in fp32, before
+    that renormalisation (SGLang's default, what the learner computes; greedy rows: of softmax(logits)).
     Without a restriction a row samples by inverting its fp32 cumulative distribution with one uniform
     number (torch.multinomial draws one exponential per vocabulary entry: 30x slower at 64 x 49k).
     """
@@ -421,9 +418,7 @@ class Engine:
             block = False
 
     def _abort(self, rid: str | None) -> None:
-        def hit(seq: Sequence) -> bool:
-            return rid is None or seq.rid == rid
-
+        hit = lambda seq: rid is None or seq.rid == rid  # noqa: E731
         reason = {"type": "abort", "message": f"Abort request {rid}" if rid else "Abort all requests"}
         aborted = [s for s in self.waiting + self.prefilling + self.running if hit(s)]
         self.waiting = [s for s in self.waiting if not hit(s)]
@@ -433,8 +428,7 @@ class Engine:
             self._finish(seq, reason)
 
     def _admit(self) -> None:
-        """Waiting requests join while there are rows and the keys/values fit: rows x the longest prompt +
-        max_new_tokens among them (the shape the batch can grow to) stays within max_total_tokens."""
+        """Waiting requests join while there are rows and keys/values room (module doc, step 2)."""
         admitted, room = self.running + self.prefilling, lambda s: min(len(s.input_ids) + s.params.max_new_tokens,
                                                                         self.context_length)
         longest = max(map(room, admitted), default=0)

@@ -22,13 +22,10 @@ Differences from SGLang, on purpose:
   - A weight update always drops the prefix cache (its keys/values belong to the old weights).
   - No streaming, no input-token log-probs, no top-logprobs, no penalties, no constrained decoding.
 
-A weight update waits for in-flight requests to finish and holds new ones until it is done (SGLang's
-model_update_lock); with `abort_all_requests` the in-flight ones are aborted instead.
+A weight update waits for in-flight requests (`UpdateLock`); with `abort_all_requests` they are aborted.
 
 It listens on 127.0.0.1 unless told otherwise (--host). With `--api-key KEY` every request but
 /health* needs `Authorization: Bearer KEY` (SGLang's check; 401 `{"error": "Unauthorized"}` otherwise).
-
-`start_server_process(model)` starts it in a subprocess (tests, train.py) and returns its URL.
 """
 
 from __future__ import annotations
@@ -60,8 +57,7 @@ READY_RE = re.compile(r"l0_min\.serve ready at (http://\S+)")
 
 
 class RequestError(ValueError):
-    """A bad request. `schema` errors (unparsable body, wrong JSON type) use SGLang's validation-error
-    body; the others its /generate error body."""
+    """A bad request; `schema` (unparsable body, wrong JSON type) picks the body (see the module doc)."""
 
     def __init__(self, message: str, schema: bool = False):
         super().__init__(message)
@@ -272,11 +268,6 @@ class UpdateLock:
             yield
 
 
-def error_body(message: str) -> dict:
-    """SGLang's /generate error (`_create_error_response`)."""
-    return {"error": {"message": message}}
-
-
 def schema_error_body(message: str, code: int = 400) -> dict:
     """SGLang's (FastAPI) validation / HTTPException error (`ErrorResponse`)."""
     return {"object": "error", "message": message, "type": HTTPStatus(code).phrase, "param": None, "code": code}
@@ -294,7 +285,8 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
         try:
             return await handler(request)
         except RequestError as e:
-            return web.json_response(schema_error_body(str(e)) if e.schema else error_body(str(e)), status=400)
+            body = schema_error_body(str(e)) if e.schema else {"error": {"message": str(e)}}  # _create_error_response
+            return web.json_response(body, status=400)
         except (web.HTTPException, asyncio.CancelledError):
             raise
         except Exception as e:
