@@ -347,5 +347,4 @@ if rank0:
     print(f"peak memory: {PEAK_MB[0] / 1024:.1f} GB (PSS of train.py, the inference server and the kernels, "
           "sampled every 2 s)", flush=True)
     print(f"\nrun folder: {run.path}\n  metrics: {run.metrics_jsonl}\n  plot: {run.plots / 'rewards.png'}\n  viewer: {run.viewer_html}", flush=True)
-close_distributed(control)  # the control group: the other ranks may wait here through rank 0's last evaluation
-sys.exit(exit_code)
+close_distributed(control, exit_code)  # the control group: the other ranks may wait here through rank 0's last evaluation

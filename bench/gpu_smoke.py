@@ -222,5 +222,4 @@ if rank0:
     shutil.rmtree(work, ignore_errors=True)
     print(f"{'PASS' if ok else 'FAIL'}: {sum(results)} of {len(results)} checks, {time.perf_counter() - T0:.0f} s", flush=True)
 ok = bool(from_rank0(ok))
-close_distributed()
-sys.exit(0 if ok else 1)
+close_distributed(code=0 if ok else 1)

@@ -8,22 +8,21 @@ Each task runs in its environment (`task.env`): the kernel gets that environment
 workspace files (a hidden first cell), the agent its prompts, the episode its score.
 
 Failure handling (after the ROLL team's notes on agentic RL at scale):
-- environment failures (the sandbox did not start or could not be set up for the task, the host killed
-  the kernel, a search / page backend failed or stalled; not a kernel the agent's own code killed:
-  kernel_crashed) are retried
-  up to `rollout.max_retries` times on a fresh kernel, then kept as a masked placeholder: zero
+- environment failures (the sandbox did not start or could not be set up for the task, the host killed the
+  kernel, a search / page backend failed or stalled; not a kernel the agent's own code killed: kernel_crashed)
+  are retried up to `rollout.max_retries` times on a fresh kernel, then kept as a masked placeholder: zero
   training weight, counted in the metrics (`Episode.masked`, `batch.stats["episodes_masked"]`);
-- episodes out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout) are
-  dropped while the dropped fraction stays under rollout.max_dropped_frac, then trained as failures;
+- episodes out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout) are dropped while
+  the dropped fraction stays under rollout.max_dropped_frac, then trained as failures;
 - inference failures pause the episode while the server comes back; a server unreachable for
-  inference.down_after seconds ends the run with InferenceDown (the InferenceClient has already
-  retried that long). A failure while the server answers /health (a refused request, an unusable
-  response) is retried like an environment failure, then masked, instead of looping forever;
-- dynamic sampling drops groups whose core reward (the environment's answer reward) has no variance and draws
-  tasks until the batch is full, with at most rollout.max_extra_groups extra groups; past the cap,
-  the batch is topped up with dropped groups so its size stays fixed.
-Episodes are consumed as they finish, never in lock step: a group completes when its last episode
-does, and up to rollout.max_concurrency episodes are in flight at any time.
+  inference.down_after seconds ends the run with InferenceDown (the InferenceClient has already retried that
+  long). A failure while the server answers /health (a refused request, an unusable response) is retried
+  like an environment failure, then masked, instead of looping forever;
+- dynamic sampling drops groups whose core reward (the environment's answer reward) has no variance and
+  draws tasks until the batch is full, with at most rollout.max_extra_groups extra groups; past the cap, the
+  batch is topped up with dropped groups so its size stays fixed.
+Episodes are consumed as they finish, never in lock step: a group completes when its last episode does, and
+up to rollout.max_concurrency episodes are in flight at any time.
 """
 
 from __future__ import annotations

@@ -29,8 +29,10 @@ import os
 import random
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -75,11 +77,14 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, 
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def close_distributed(group=None) -> None:
-    """Leave the process group once every rank got here: a rank that tears gloo down while another still
-    works (rank 0's last evaluation) can abort it ("terminate called without an active exception")."""
+def close_distributed(group=None, code: int = 0) -> NoReturn:
+    """End the process once every rank got here. A rank tearing gloo down while another works, or Python's
+    finalization while FSDP modules hold the group's threads (pytorch#179291), can abort ("terminate called
+    without an active exception"): files and servers are closed by now, so os._exit, with the exit code."""
     dist.barrier(group=group)
     dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(code)
 
 
 def nvidia_smi() -> tuple[int, str] | None:

@@ -271,6 +271,8 @@ class MetricsLogger:
         self.sinks = ["jsonl"]
         self._file = open_jsonl(self.run_dir.metrics_jsonl)
         self._tb = self._wandb = None
+        skip = lambda key, e, hint: _warn(f"log.{key}=true but {key} {hint} ({type(e).__name__}: {e}); "  # noqa: E731
+                                          f"`pip install {key}` to use it. Logging to metrics.jsonl only.")
         if self.cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -278,8 +280,7 @@ class MetricsLogger:
                 self._tb = SummaryWriter(log_dir=str(self.run_dir.path / "tensorboard"))
                 self.sinks.append("tensorboard")
             except ImportError as e:
-                _warn(f"log.tensorboard=true but TensorBoard is not importable ({e}); "
-                      "`pip install tensorboard` to use it. Logging to metrics.jsonl only.")
+                skip("tensorboard", e, "is not importable")
         if self.cfg.wandb:
             try:
                 import wandb
@@ -288,11 +289,9 @@ class MetricsLogger:
                                          dir=str(self.run_dir.path), config=config)
                 self.sinks.append("wandb")
             except ImportError as e:
-                _warn(f"log.wandb=true but wandb is not importable ({e}); "
-                      "`pip install wandb` to use it. Logging to metrics.jsonl only.")
+                skip("wandb", e, "is not importable")
             except Exception as e:  # no login, no network: the run goes on, metrics.jsonl has it all
-                _warn(f"log.wandb=true but wandb.init failed ({type(e).__name__}: {e}). "
-                      "Logging to metrics.jsonl only.")
+                skip("wandb", e, "did not start: wandb.init failed")
 
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **_jsonable(metrics)}

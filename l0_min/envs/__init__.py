@@ -51,14 +51,9 @@ then one code cell in <code>...</code>. The cell runs in a persistent kernel and
     def prompt(self, task: Task) -> str:
         return f"Task: {task.question}"
 
-    def files(self, task: Task) -> dict[str, str]:
-        return {}
-
-    def expert(self, task: Task) -> list[str] | None:
-        return None
-
-    def corpus(self, tasks: list[Task]) -> list[dict]:
-        return []
+    def files(self, task: Task) -> dict[str, str]: return {}  # noqa: E704
+    def expert(self, task: Task) -> list[str] | None: return None  # noqa: E704
+    def corpus(self, tasks: list[Task]) -> list[dict]: return []  # noqa: E704
 
 
 def load_env(spec: str, cfg) -> TaskEnv:
