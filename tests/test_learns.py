@@ -7,13 +7,15 @@ right; the SFT cold start shows expert episodes of 32 of these (each word 8 time
 only "grape" is right: after SFT the model says grape in about 1 of 8 samples (the random model's own
 preferences among the four words decide). RL draws both kinds; only the second has a signal to learn
 (groups where every sample is right have advantage 0). The held-out evaluation asks n = 99 (never drawn
-in RL) 32 times at the sampling temperature after SFT and after 12 RL steps of 16 episodes.
+in RL) 32 times at the sampling temperature after SFT and after 12 RL steps of 32 episodes.
 
 Why the margin cannot be chance: the two evaluations are independent samples of 32 episodes each. The test
 asks for a gain of at least 0.25 in EM and a two-proportion z-test p < 0.01: if RL changed nothing, a
 difference that large has a probability below 1% (an observed 0.125 -> 0.25 alone gives p ~ 0.2). Measured
-(lr 5e-4, 4 runs): 0.03-0.22 -> 0.81-0.94, p <= 3e-8; about 140 s alone on 2 cores. With lr 1e-3, one
-run in four collapsed into broken code after a step (the tiny model's format is fragile), so 5e-4.
+(lr 5e-4, 4 groups a step, 4 runs): 0.03-0.22 -> 0.81-0.94, p <= 3e-8; about 140 s alone on 2 cores; but
+a CI run ended where it started (0.125 -> 0.0: few secret groups held a grape to learn from), so 8 groups a
+step: 0.06 -> 0.88 and 0.0 -> 0.94 (2 runs beside other work). With lr 1e-3, one run in four collapsed into
+broken code after a step (the tiny model's format is fragile), so 5e-4.
 """
 
 import json
@@ -48,7 +50,7 @@ def test_tiny_model_learns_through_the_whole_loop(tmp_path):
     overrides = [
         f"data.train={train}", f"data.eval={held}", "data.eval_limit=1", "run.eval_samples=32", "run.eval_every=0",
         "sft.episodes=32", "sft.kinds=[any]", "sft.steps=150", "sft.batch_size=8", "sft.lr=3e-3",
-        "run.steps=12", "rollout.batch_size=4", "rollout.n_samples=4", "learner.lr=5e-4", "algo.advantage=grpo",
+        "run.steps=12", "rollout.batch_size=8", "rollout.n_samples=4", "learner.lr=5e-4", "algo.advantage=grpo",
         "agent.max_steps=1", "agent.prefill=<think>", "agent.system_prompt=Answer with code.",
         "sampling.max_new_tokens=80", "kernel.pool_size=4", "tools.search=none",
         "reward.format_weight=0", "reward.exec_weight=0", "reward.has_answer_weight=0", f"run.out_dir={tmp_path / 'runs'}",
