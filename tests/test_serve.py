@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from l0_min.config import InferenceConfig
+from l0_min.serve import engine as engine_module
 from l0_min.serve.engine import Engine, RadixCache, SamplingParams, Sequence, sample
 from l0_min.inference import InferenceClient
 from l0_min.models import ModelNotFoundError, load_model, resolve_model
@@ -300,7 +301,7 @@ def test_stop_token_eos_abort_and_zero_tokens(tiny):
         assert after.output_ids == ref.output_ids  # still serving, same results
 
 
-def test_prefix_cache_reuses_an_agent_turn(tiny):
+def test_prefix_cache_reuses_an_agent_turn(tiny, monkeypatch):
     model, tok = tiny
     greedy = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True)
     turn1 = byte_ids("system prompt and a question")
@@ -312,6 +313,15 @@ def test_prefix_cache_reuses_an_agent_turn(tiny):
         assert engine.call(engine.flush_cache).result() is True
         (c,) = run_all(engine, [(turn2, greedy)])
         assert c.cached_tokens == 0
+    with monkeypatch.context() as m, running_engine(model, tok) as engine:  # an idle engine lets its memory go
+        m.setattr(engine_module, "IDLE_SECONDS", 0.05)
+        m.setattr(engine_module, "PREFIX_IDLE_SECONDS", 0.2)
+        run_all(engine, [(turn1, greedy)])
+        assert engine.prefix_cache.tokens > 0
+        deadline = time.monotonic() + 30
+        while (engine.kv is not None or engine.prefix_cache.tokens) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.kv is None and engine.prefix_cache.tokens == 0
     assert b.output_ids == c.output_ids
     assert torch.allclose(torch.tensor(b.logprobs), torch.tensor(c.logprobs), atol=1e-4)
 

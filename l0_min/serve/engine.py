@@ -14,7 +14,7 @@ One background thread owns the model. Each turn of its loop:
 A request that arrives while others decode joins them at the next step; a sequence leaves as soon as it
 finishes (length, EOS, stop token id, stop string) or is aborted, its keys/values going to the radix cache.
 
-Layout (`BatchKV`): one buffer [layers, 2, rows, kv_heads, columns, head_dim]; row r holds sequence r's
+Layout (`BatchKV`): a buffer [2, rows, kv_heads, columns, head_dim] per layer; row r holds sequence r's
 tokens at columns 0..n_r-1 (column = position). A forward writes keys/values at per-row columns and
 attends through a 4D mask: rows of any length share a step without copies, a joining sequence copies its
 own prefix into a free row, and a leaving one is replaced by the last row.
@@ -44,6 +44,7 @@ log = logging.getLogger("l0_min.engine")
 TOP_K_ALL = 1 << 30
 GREEDY_EPS = 1e-6  # temperatures below this are greedy (as in SGLang)
 IDLE_SECONDS = 2.0  # an engine idle this long releases its batch's keys/values buffer
+PREFIX_IDLE_SECONDS = 10.0  # and this long, its prefix cache (the learner is stepping: new weights will come)
 MIN_SHARED = 32  # a prefix that waiting prompts share is computed once first when it is at least this long
 
 
@@ -228,19 +229,30 @@ class BatchKV(DynamicCache):
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
-        self.buf = torch.zeros((layers, 2, 0, kv_heads, 0, head_dim), dtype=dtype)
+        self.buf = [torch.zeros((2, 0, kv_heads, 0, head_dim), dtype=dtype) for _ in range(layers)]
         self.first, self.rows, self.cols, self.width = 0, None, None, 0
 
     def reserve(self, rows: int, cols: int, grow_cols: int, keep_rows: int, keep_cols: int) -> None:
         """Room for `rows` rows of `cols` columns (`grow_cols` when the columns grow), keeping the first
-        keep_rows x keep_cols. New space is zeros: masked keys must be finite (NaN + -inf is NaN)."""
-        shape = list(self.buf.shape)
-        if rows <= shape[2] and cols <= shape[4]:
+        keep_rows x keep_cols. New space is zeros: masked keys must be finite (NaN + -inf is NaN). A layer
+        at a time: the old buffer goes as the new one comes (one buffer at once was twice the memory)."""
+        shape = list(self.buf[0].shape)
+        if rows <= shape[1] and cols <= shape[3]:
             return
-        shape[2], shape[4] = max(rows, shape[2]), max(cols, grow_cols) if cols > shape[4] else shape[4]
-        buf = torch.zeros(shape, dtype=self.buf.dtype)
-        buf[:, :, :keep_rows, :, :keep_cols] = self.buf[:, :, :keep_rows, :, :keep_cols]
-        self.buf = buf
+        shape[1], shape[3] = max(rows, shape[1]), max(cols, grow_cols) if cols > shape[3] else shape[3]
+        for i, old in enumerate(self.buf):
+            self.buf[i] = torch.zeros(shape, dtype=old.dtype)
+            self.buf[i][:, :keep_rows, :, :keep_cols] = old[:, :keep_rows, :, :keep_cols]
+            del old
+
+    def put(self, row: int, at: int, kv: torch.Tensor) -> None:
+        """Write keys/values `kv` [layers, 2, kv_heads, n, head_dim] into `row` at columns at..at+n-1."""
+        for layer, part in zip(self.buf, kv):
+            layer[:, row, :, at : at + kv.shape[-2]] = part
+
+    def take(self, row: int, a: int, b: int) -> torch.Tensor:
+        """A copy of `row`'s keys/values at columns a..b-1: [layers, 2, kv_heads, b - a, head_dim]."""
+        return torch.stack([layer[:, row, :, a:b] for layer in self.buf])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         buf = self.buf[layer_idx]
@@ -317,6 +329,7 @@ class Engine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()  # functions the engine thread runs between steps
         self._thread: threading.Thread | None = None
         self._stopped = False
+        self._idle = 0  # idle timeouts in a row
 
     # -- thread-safe API --------------------------------------------------------------------
 
@@ -410,10 +423,15 @@ class Engine:
         while not self._stopped:
             try:
                 self._commands.get(block=block, timeout=IDLE_SECONDS if block else None)()
+                self._idle = 0
             except queue.Empty:
-                if block and self.kv is not None:  # idle a while (a learner step?): the batch's memory goes back
-                    self.kv = None
-                    trim_heap()
+                if block:  # idle a while (a learner step?): the batch's memory goes back, then the cache's
+                    self._idle += 1
+                    if self._idle * IDLE_SECONDS >= PREFIX_IDLE_SECONDS and self.prefix_cache.tokens:
+                        self.prefix_cache.clear()
+                    if self.kv is not None:
+                        self.kv = None
+                        trim_heap()
                 return
             block = False
 
@@ -488,7 +506,7 @@ class Engine:
         for row, seq in enumerate(group, first):
             at = 0
             for segment in seq.prefix:
-                kv.buf[:, :, row, :, at : at + segment.shape[-2]] = segment
+                kv.put(row, at, segment)
                 at += segment.shape[-2]
         ids = torch.tensor([[0] * (width - n) + q.input_ids[q.prefilled : q.prefilled + n]
                             for q, n in zip(group, lens)])
@@ -498,7 +516,7 @@ class Engine:
         for row, (seq, n) in enumerate(zip(group, lens), first):
             seq.prefilled += n
             if seq.prefilled < len(seq.input_ids):  # a chunk of a long prompt, or a shared prefix: its keys/values
-                seq.prefix = [kv.buf[:, :, row, :, : seq.prefilled].clone()]  # wait outside the batch
+                seq.prefix = [kv.take(row, 0, seq.prefilled)]  # wait outside the batch
                 if self.prefix_cache.max_tokens:
                     self.prefix_cache.insert(seq.input_ids[: seq.prefilled], lambda a, b: seq.prefix[0][..., a:b, :])
         if done := [g for g, seq in enumerate(group) if seq.prefilled == len(seq.input_ids)]:
@@ -557,16 +575,16 @@ class Engine:
     def _to_cache(self, seq: Sequence, row: int) -> None:
         """A finished sequence's keys/values (prompt + output but the last token) go to the radix cache."""
         if self.prefix_cache.max_tokens:
-            buf = self.kv.buf
-            self.prefix_cache.insert((seq.input_ids + seq.output_ids)[: seq.kv_len],
-                                     lambda a, b: buf[:, :, row, :, a:b].clone())
+            kv = self.kv
+            self.prefix_cache.insert((seq.input_ids + seq.output_ids)[: seq.kv_len], lambda a, b: kv.take(row, a, b))
 
     def _drop_rows(self, rows: list[int]) -> None:
         """Rows leave the batch; the last row moves into each gap (one row copied, not the batch)."""
         for r in sorted(rows, reverse=True):
             last = self.running.pop()
             if r < len(self.running):
-                self.kv.buf[:, :, r, :, : last.kv_len] = self.kv.buf[:, :, len(self.running), :, : last.kv_len]
+                for layer in self.kv.buf:
+                    layer[:, r, :, : last.kv_len] = layer[:, len(self.running), :, : last.kv_len]
                 self.running[r] = last
 
     def _take_token(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
