@@ -245,11 +245,6 @@ class BatchKV(DynamicCache):
             self.buf[i][:, :keep_rows, :, :keep_cols] = old[:, :keep_rows, :, :keep_cols]
             del old
 
-    def put(self, row: int, at: int, kv: torch.Tensor) -> None:
-        """Write keys/values `kv` [layers, 2, kv_heads, n, head_dim] into `row` at columns at..at+n-1."""
-        for layer, part in zip(self.buf, kv):
-            layer[:, row, :, at : at + kv.shape[-2]] = part
-
     def take(self, row: int, a: int, b: int) -> torch.Tensor:
         """A copy of `row`'s keys/values at columns a..b-1: [layers, 2, kv_heads, b - a, head_dim]."""
         return torch.stack([layer[:, row, :, a:b] for layer in self.buf])
@@ -350,12 +345,7 @@ class Engine:
     def submit(self, seq: Sequence) -> None:
         """Queue a request; `seq.on_done(seq)` is called from the engine thread when it finishes."""
         self.validate(seq)
-
-        def enqueue():
-            self.waiting.append(seq)
-            self._inflight[id(seq)] = seq
-
-        self.call(enqueue)
+        self.call(lambda: (self.waiting.append(seq), self._inflight.setdefault(id(seq), seq)))
 
     def validate(self, seq: Sequence) -> None:
         """Raise ValueError for a request the engine cannot run (called by submit; the server calls it
@@ -426,12 +416,8 @@ class Engine:
                 self._idle = 0
             except queue.Empty:
                 if block:  # idle a while (a learner step?): the batch's memory goes back, then the cache's
-                    self._idle += 1
-                    if self._idle * IDLE_SECONDS >= PREFIX_IDLE_SECONDS and self.prefix_cache.tokens:
-                        self.prefix_cache.clear()
-                    if self.kv is not None:
-                        self.kv = None
-                        trim_heap()
+                    self._idle, self.kv = self._idle + 1, None
+                    (self.prefix_cache.clear if self._idle * IDLE_SECONDS >= PREFIX_IDLE_SECONDS else trim_heap)()
                 return
             block = False
 
@@ -503,11 +489,9 @@ class Engine:
         start, new = torch.tensor([s.prefilled for s in group]), torch.tensor(lens)
         cols = start[:, None] + (torch.arange(width)[None, :] - (width - new)[:, None]) % width
         kv = self._reserve(first + len(group), int(cols.max()) + 1)
-        for row, seq in enumerate(group, first):
-            at = 0
-            for segment in seq.prefix:
-                kv.put(row, at, segment)
-                at += segment.shape[-2]
+        for row, seq in enumerate(group, first):  # its prefix's keys/values (segments [layers, 2, ...]) first
+            for i, layer in enumerate(kv.buf if seq.prefix else []):
+                layer[:, row, :, : seq.prefilled] = torch.cat([segment[i] for segment in seq.prefix], dim=-2)
         ids = torch.tensor([[0] * (width - n) + q.input_ids[q.prefilled : q.prefilled + n]
                             for q, n in zip(group, lens)])
         logits = self._forward(ids, first, cols)
