@@ -315,9 +315,10 @@ def test_prefix_cache_reuses_an_agent_turn(tiny, monkeypatch):
         assert c.cached_tokens == 0
     with monkeypatch.context() as m, running_engine(model, tok) as engine:  # an idle engine lets its memory go
         m.setattr(engine_module, "IDLE_SECONDS", 0.05)
-        m.setattr(engine_module, "PREFIX_IDLE_SECONDS", 0.2)
+        m.setattr(engine_module, "PREFIX_IDLE_SECONDS", 1e9)
         run_all(engine, [(turn1, greedy)])
         assert engine.prefix_cache.tokens > 0
+        m.setattr(engine_module, "PREFIX_IDLE_SECONDS", 0.2)
         deadline = time.monotonic() + 30
         while (engine.kv is not None or engine.prefix_cache.tokens) and time.monotonic() < deadline:
             time.sleep(0.05)
