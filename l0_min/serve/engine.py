@@ -234,12 +234,12 @@ class BatchKV(DynamicCache):
 
     def reserve(self, rows: int, cols: int, grow_cols: int, keep_rows: int, keep_cols: int) -> None:
         """Room for `rows` rows of `cols` columns (`grow_cols` when the columns grow), keeping the first
-        keep_rows x keep_cols. New space is zeros: masked keys must be finite (NaN + -inf is NaN). A layer
-        at a time: the old buffer goes as the new one comes (one buffer at once was twice the memory)."""
+        keep_rows x keep_cols; new space is zeros (masked keys must be finite). The size asked now, not the
+        old rows x new columns (that outgrew the budget 3x); a layer at a time (two whole buffers at once)."""
         shape = list(self.buf[0].shape)
         if rows <= shape[1] and cols <= shape[3]:
             return
-        shape[1], shape[3] = max(rows, shape[1]), max(cols, grow_cols) if cols > shape[3] else shape[3]
+        shape[1], shape[3] = rows, max(cols, grow_cols, keep_cols)
         for i, old in enumerate(self.buf):
             self.buf[i] = torch.zeros(shape, dtype=old.dtype)
             self.buf[i][:, :keep_rows, :, :keep_cols] = old[:, :keep_rows, :, :keep_cols]
