@@ -232,14 +232,15 @@ class BatchKV(DynamicCache):
         self.buf = [torch.zeros((2, 0, kv_heads, 0, head_dim), dtype=dtype) for _ in range(layers)]
         self.first, self.rows, self.cols, self.width = 0, None, None, 0
 
-    def reserve(self, rows: int, cols: int, grow_cols: int, keep_rows: int, keep_cols: int) -> None:
-        """Room for `rows` rows of `cols` columns (`grow_cols` when the columns grow), keeping the first
-        keep_rows x keep_cols; new space is zeros (masked keys must be finite). The size asked now, not the
-        old rows x new columns (that outgrew the budget 3x); a layer at a time (two whole buffers at once)."""
+    def reserve(self, rows: int, cols: int, grow_cols: int, keep_rows: int, keep_cols: int, budget: int) -> None:
+        """Room for `rows` x `cols` (`grow_cols` when the columns grow; the old rows while rows x columns
+        stay within `budget` tokens: the old rows x new columns outgrew it 3x), keeping keep_rows x keep_cols;
+        new space is zeros (masked keys must be finite). A layer at a time (two whole buffers at once)."""
         shape = list(self.buf[0].shape)
         if rows <= shape[1] and cols <= shape[3]:
             return
-        shape[1], shape[3] = rows, max(cols, grow_cols, keep_cols)
+        shape[3] = max(cols, grow_cols, keep_cols)
+        shape[1] = max(rows, shape[1]) if max(rows, shape[1]) * shape[3] <= budget else rows
         for i, old in enumerate(self.buf):
             self.buf[i] = torch.zeros(shape, dtype=old.dtype)
             self.buf[i][:, :keep_rows, :, :keep_cols] = old[:, :keep_rows, :, :keep_cols]
@@ -515,14 +516,13 @@ class Engine:
         return width * len(group)
 
     def _reserve(self, rows: int, cols: int) -> BatchKV:
-        """Room for `rows` x `cols`: when it grows, a row for every admitted sequence, and columns with a
-        quarter + 64 to spare, but not beyond the longest prompt + max_new_tokens admitted."""
+        """Room for `rows` x `cols`; growing: a row per admitted sequence, columns +25% +64 (<= the longest)."""
         admitted = self.running + self.prefilling
         longest = max(min(len(s.input_ids) + s.params.max_new_tokens, self.context_length) for s in admitted)
         if self.kv is None:
             self.kv = BatchKV(*self.kv_shape, next(self.model.parameters()).dtype)
         self.kv.reserve(max(rows, len(admitted)), cols, min(cols + cols // 4 + 64, longest), len(self.running),
-                        max((s.kv_len for s in self.running), default=0))
+                        max((s.kv_len for s in self.running), default=0), self.max_total_tokens)
         return self.kv
 
     def _forward(self, ids: torch.Tensor, first: int, cols: torch.Tensor) -> torch.Tensor:
