@@ -145,10 +145,10 @@ def _common(a: list[int], b: list[int], start: int, limit: int) -> int:
 
 
 class _Node:
-    __slots__ = ("ids", "kv", "children", "parent", "used")
+    __slots__ = ("ids", "kv", "children", "used")  # no parent link: a cycle would keep a dropped tree's
 
-    def __init__(self, ids: list[int], kv: torch.Tensor | None, parent: "_Node | None"):
-        self.ids, self.kv, self.parent, self.children, self.used = ids, kv, parent, {}, 0
+    def __init__(self, ids: list[int], kv: torch.Tensor | None):  # GBs until the cyclic collector ran
+        self.ids, self.kv, self.children, self.used = ids, kv, {}, 0
 
 
 class RadixCache:
@@ -162,7 +162,7 @@ class RadixCache:
 
     def __init__(self, max_tokens: int):
         self.max_tokens, self.tokens, self.clock = max_tokens, 0, 0
-        self.root = _Node([], None, None)
+        self.root = _Node([], None)
 
     def lookup(self, ids: list[int]) -> tuple[int, list[torch.Tensor]]:
         """(n, segments): the longest cached prefix of `ids`, at most len(ids) - 1 tokens (the last prompt
@@ -186,12 +186,12 @@ class RadixCache:
         while n < len(ids):
             child = node.children.get(ids[n])
             if child is None:
-                child = node.children[ids[n]] = _Node(ids[n:], kv_of(n, len(ids)), node)
+                child = node.children[ids[n]] = _Node(ids[n:], kv_of(n, len(ids)))
                 self.tokens += len(ids) - n
                 k = len(ids) - n
             elif (k := _common(child.ids, ids, n, len(ids))) < len(child.ids):  # split the edge at k
-                head = node.children[ids[n]] = _Node(child.ids[:k], child.kv[..., :k, :].clone(), node)
-                child.ids, child.kv, child.parent = child.ids[k:], child.kv[..., k:, :].clone(), head
+                head = node.children[ids[n]] = _Node(child.ids[:k], child.kv[..., :k, :].clone())
+                child.ids, child.kv = child.ids[k:], child.kv[..., k:, :].clone()
                 head.children[child.ids[0]] = child
                 child = head
             child.used, n, node = self.clock, n + k, child
@@ -199,11 +199,11 @@ class RadixCache:
 
     def _evict(self) -> None:
         while self.tokens > self.max_tokens:  # the least recently used leaf goes (its parent may be a leaf next)
-            nodes = [self.root]
-            for node in nodes:  # all of them, breadth first
-                nodes.extend(node.children.values())
-            leaf = min((node for node in nodes[1:] if not node.children), key=lambda node: node.used)
-            del leaf.parent.children[leaf.ids[0]]
+            nodes = [(self.root, None)]
+            for node, _ in nodes:  # all of them with their parents, breadth first
+                nodes.extend((child, node) for child in node.children.values())
+            leaf, parent = min((pair for pair in nodes[1:] if not pair[0].children), key=lambda pair: pair[0].used)
+            del parent.children[leaf.ids[0]]
             self.tokens -= len(leaf.ids)
 
     def clear(self) -> None:
