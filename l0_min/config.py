@@ -209,10 +209,9 @@ class RolloutConfig:
 
 @dataclass
 class SFTConfig:
-    """The cold start before RL (train.py): expert episodes of training tasks (world.ExpertPolicy, through
-    the real kernels), trained as the log-likelihood of their actions by the same learner."""
+    """The cold start before RL (train.py): expert episodes (envs.ExpertPolicy, real kernels), the learner."""
 
-    episodes: int = 0  # expert episodes, of the first training tasks of `kinds` (0: no SFT phase)
+    episodes: int = 0  # expert episodes, of each source's first training tasks of `kinds`, by sft_weight (0: no SFT)
     kinds: list[str] = field(default_factory=list)  # task kinds (meta 'kind') the expert shows (empty: all)
     steps: int = 0  # learner steps
     batch_size: int = 4  # episodes per step
@@ -227,6 +226,7 @@ class Source:
     source: str = "synthetic"
     env: str = ""
     weight: float = 1.0
+    sft_weight: float = 0.0  # its share of sft.episodes (0: `weight`): each environment's own cold-start budget
     kinds: list[str] = field(default_factory=list)  # keep only tasks of these kinds (meta 'kind'; empty: all)
 
 

@@ -54,6 +54,7 @@ def test_sources_carry_their_environment_and_weights(tmp_path, monkeypatch):
                               cfg, limit=5)
     assert len(only[0]) == 5 and {t.meta["kind"] for t in only[0]} == {"lookup"}  # a source keeps its own kinds
     for bad, message in (("{source: 'words:train', env: letters_env, weight: 0}", "weight must be > 0"),
+                         ("{source: 'words:train', env: letters_env, sft_weight: -1}", "sft_weight >= 0, got 1.0, -1"),
                          ("{source: /no/such/file.jsonl}", "qa source '/no/such/file.jsonl'")):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_sources(configlib.resolve([f"data.train=[{bad}]"]).data.train, cfg)
@@ -76,7 +77,7 @@ def test_a_new_environment_from_the_readme_trains_through_train_py_mixed_with_qa
     experts through the real kernels (the letters' workspace file written by the setup cell, QA's searches
     answered by the tool server), RL steps whose batches mix them, held-out numbers per environment."""
     (tmp_path / "letters_env.py").write_text(README_ENV)
-    args = ["data.train=[{source: synthetic:train}, {source: 'words:train', env: letters_env}]",
+    args = ["data.train=[{source: synthetic:train}, {source: 'words:train', env: letters_env, sft_weight: 3}]",
             "data.eval=[{source: synthetic:heldout}, {source: 'words:heldout', env: letters_env}]",
             "data.synthetic_kinds=[lookup]", "data.eval_limit=3", "run.eval_every=0", "sft.episodes=8", "sft.steps=2",
             "run.steps=2", "rollout.batch_size=4", f"run.out_dir={tmp_path / 'runs'}"]
@@ -96,6 +97,7 @@ def test_a_new_environment_from_the_readme_trains_through_train_py_mixed_with_qa
     demos = read("sft_00000.jsonl")
     assert {d["task"]["env"] for d in demos} == {"qa", "letters_env"} and all(d["rewards"]["core"] == 1.0 for d in demos)
     letters = [d for d in demos if d["task"]["env"] == "letters_env"]
+    assert len(letters) == 6  # sft_weight 3 : 1 of sft.episodes = 8 (the stream's weights stay 1 : 1)
     assert all("Final answer submitted: " + d["task"]["answers"][0] in d["steps"][0]["observation"] for d in letters)
     for step in (3, 4):
         eps = read(f"step_{step:05d}.jsonl")

@@ -91,8 +91,8 @@ def load_sources(sources, cfg, limit: int | None = None) -> tuple[list[list[Task
             raise ValueError(f"{name} source {s.source!r}: {e}") from None
         if not tasks:
             raise ValueError(f"{name} source {s.source!r} gave no tasks")
-        if s.weight <= 0:
-            raise ValueError(f"{name} source {s.source!r}: weight must be > 0, got {s.weight}")
+        if s.weight <= 0 or s.sft_weight < 0:
+            raise ValueError(f"{name} source {s.source!r}: weight must be > 0 and sft_weight >= 0, got {s.weight}, {s.sft_weight}")
         for t in tasks:
             t.env = name
         parts.append(tasks)
