@@ -251,9 +251,9 @@ step, exit_code, stopped = start_step, 0, False
 if step < sft_steps:
     if rank0:  # each source's first tasks that have an expert (of sft.kinds: meta 'kind'), sft.episodes by sft_weight
         wanted = lambda t: (not cfg.sft.kinds or t.meta.get("kind") in cfg.sft.kinds) and envs[t.env].expert(t) is not None
-        shares = [s.sft_weight or w for s, w in zip(cfg.data.train, weights)]
+        shares = [w if s.sft_weight == -1 else s.sft_weight for s, w in zip(cfg.data.train, weights)]
         shown = [t for ts, w in zip(train_sources, shares)
-                 for t in [t for t in ts if wanted(t)][: round(cfg.sft.episodes * w / sum(shares))]]
+                 for t in [t for t in ts if wanted(t)][: round(cfg.sft.episodes * w / (sum(shares) or 1))]]
         expert = dataclasses.replace(svc, policy=ExpertPolicy(shown, envs, learner.tokenizer, cfg.agent.prefill))
         demos = [e for e in runner.run(run_tasks(expert, shown))  # the solved ones
                  if e.rewards.get(envs[e.task.env].metrics[0]) == 1.0]

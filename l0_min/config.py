@@ -225,8 +225,8 @@ class Source:
 
     source: str = "synthetic"
     env: str = ""
-    weight: float = 1.0
-    sft_weight: float = 0.0  # its share of sft.episodes (0: `weight`): each environment's own cold-start budget
+    weight: float = 1.0  # its share of the RL stream (0: none: a source of SFT episodes only)
+    sft_weight: float = -1.0  # its share of sft.episodes (-1: `weight`; 0: none): each environment's own budget
     kinds: list[str] = field(default_factory=list)  # keep only tasks of these kinds (meta 'kind'; empty: all)
 
 

@@ -383,8 +383,7 @@ def format_summary(m: dict) -> str:
 
 
 # -------------------------------------------------------------------------------------- tables
-# (header, where the cell is in a summary row: its own key or metrics' keys, format); text columns are left
-# aligned, and the judge columns (judge.*) are shown only when a row was judged
+# (header, the summary row's key(s) of the cell, format); text columns left-aligned; judge.* only when judged
 COLUMNS = [
     ("model", "model", None), ("mode", "mode", None), ("bench", "bench", None), ("n", "questions", str),
     ("EM", "em", _pct), ("95% CI", "em_ci", lambda v: f"{_pct(v[0])}-{_pct(v[1])}"), ("F1", "f1", _pct),

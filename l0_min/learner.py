@@ -176,9 +176,8 @@ def _concat(mb: list[Row], device) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------------ attention
-# transformers' attention call on a packed micro-batch ([1, heads, tokens, head_dim], `cu_seq_lens_q` = row
-# bounds [0, len0, len0+len1, ..., tokens]), causal within each row: sum(row_len^2) work, no mask ("sdpa" would
-# build a dense block-diagonal one over the micro-batch: work ~ micro_batch_tokens^2).
+# transformers' attention call on a packed micro-batch ([1, heads, tokens, head_dim], `cu_seq_lens_q` = row bounds
+# [0, len0, len0+len1, ..., tokens]), causal within each row: sum(row_len^2) work, no mask (sdpa's is ~ tokens^2).
 PACKED_ATTENTION, VARLEN_ATTENTION = "l0_packed_sdpa", "l0_packed_varlen"
 
 

@@ -53,8 +53,15 @@ def test_sources_carry_their_environment_and_weights(tmp_path, monkeypatch):
     only, _, _ = load_sources(configlib.resolve(["data.train=[{source: synthetic:train, kinds: [lookup]}]"]).data.train,
                               cfg, limit=5)
     assert len(only[0]) == 5 and {t.meta["kind"] for t in only[0]} == {"lookup"}  # a source keeps its own kinds
-    for bad, message in (("{source: 'words:train', env: letters_env, weight: 0}", "weight must be > 0"),
-                         ("{source: 'words:train', env: letters_env, sft_weight: -1}", "sft_weight >= 0, got 1.0, -1"),
+    sft_only = configlib.resolve(["data.train=[{source: synthetic:train}, {source: 'words:train', env: letters_env, "
+                                  "weight: 0, sft_weight: 1}]"]).data.train
+    parts, weights, _ = load_sources(sft_only, cfg)  # weight 0: SFT episodes only, never an RL task
+    stream = TaskStream(parts, weights, seed=2)
+    assert weights == [1.0, 0.0] and {stream.next().env for _ in range(200)} == {"qa"}
+    for bad, message in (("{source: 'words:train', env: letters_env, weight: 0}", "one > 0; got 0.0, -1.0"),
+                         ("{source: 'words:train', env: letters_env, sft_weight: -2}", "must be >= 0 (sft_weight -1: the "),
+                         ("{source: 'words:train', env: letters_env, weight: -1, sft_weight: 1}", "got -1.0, 1.0"),
+                         ("{source: 'words:train', env: letters_env, weight: 0, sft_weight: 1}", "no source has weight > 0"),
                          ("{source: /no/such/file.jsonl}", "qa source '/no/such/file.jsonl'")):
         with pytest.raises(ValueError, match=re.escape(message)):
             load_sources(configlib.resolve([f"data.train=[{bad}]"]).data.train, cfg)

@@ -91,11 +91,14 @@ def load_sources(sources, cfg, limit: int | None = None) -> tuple[list[list[Task
             raise ValueError(f"{name} source {s.source!r}: {e}") from None
         if not tasks:
             raise ValueError(f"{name} source {s.source!r} gave no tasks")
-        if s.weight <= 0 or s.sft_weight < 0:
-            raise ValueError(f"{name} source {s.source!r}: weight must be > 0 and sft_weight >= 0, got {s.weight}, {s.sft_weight}")
+        if min(s.weight, s.sft_weight if s.sft_weight != -1 else 0) < 0 or max(s.weight, s.sft_weight) <= 0:
+            raise ValueError(f"{name} source {s.source!r}: weight, sft_weight must be >= 0 (sft_weight -1: the weight), "
+                             f"one > 0; got {s.weight}, {s.sft_weight}")
         for t in tasks:
             t.env = name
         parts.append(tasks)
+    if not any(s.weight for s in sources):
+        raise ValueError("no source has weight > 0: nothing to draw RL tasks from")
     return parts, [s.weight for s in sources], envs
 
 

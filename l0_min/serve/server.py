@@ -64,8 +64,7 @@ class RequestError(ValueError):
         self.schema = schema
 
 
-# ---- request schema: GenerateReqInput and SamplingParams fields (sglang/srt/managers/io_struct.py,
-# sglang/srt/sampling/sampling_params.py)
+# ---- request schema: SGLang's GenerateReqInput, SamplingParams (srt/managers/io_struct.py, sampling_params.py)
 
 # accepted and without effect here
 IGNORED_FIELDS = {"log_metrics", "priority", "routing_key", "conversation_id", "extra_key", "cache_salt",
