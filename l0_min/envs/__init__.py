@@ -97,7 +97,7 @@ def load_sources(sources, cfg, limit: int | None = None) -> tuple[list[list[Task
         for t in tasks:
             t.env = name
         parts.append(tasks)
-    if not any(s.weight for s in sources):
+    if sources and not any(s.weight for s in sources):
         raise ValueError("no source has weight > 0: nothing to draw RL tasks from")
     return parts, [s.weight for s in sources], envs
 
