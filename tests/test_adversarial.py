@@ -8,6 +8,7 @@ on the host itself) also watches the host's health while each attack runs (`host
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -27,6 +28,7 @@ from l0_min.config import Config, KernelConfig, SandboxConfig
 from l0_min.episode import ANSWERED, ENV_ERROR, KERNEL_CRASHED, Episode, Step, Task, training_rows
 from l0_min.inference import Generation
 from l0_min.models import tiny_tokenizer
+from l0_min.runtime import settle_gc
 from l0_min.sandbox import bwrap as sb
 from l0_min.sandbox import cgroup
 from l0_min.sandbox.kernel import Kernel
@@ -458,6 +460,10 @@ async def host_health(tools, name: str):
             calls.append((r.stdout == "1\n", time.monotonic() - t, r.text(300)))
             await asyncio.sleep(0.05)
 
+    # the collector as train.py and rollout.py set it once set up: otherwise a full collection of everything
+    # this pytest process has piled up (not the host's) lands in the window (100.8 ms once, 40 ms alone)
+    thresholds = gc.get_threshold()
+    settle_gc()
     beating = asyncio.ensure_future(beat.run())
     tasks = [asyncio.ensure_future(f()) for f in (sample, search)]
     try:
@@ -466,6 +472,8 @@ async def host_health(tools, name: str):
         stop.set()
         await asyncio.gather(*tasks)
         beating.cancel()
+        gc.unfreeze()
+        gc.set_threshold(*thresholds)
     r = await other.execute("submit_final_answer('still here')")
     answered = tools.final_answer(other.id)
     await other.shutdown()
