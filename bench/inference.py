@@ -148,6 +148,18 @@ def matmul_gflops(shapes: list[tuple[int, int]], rows: int, seconds: float = 1.0
     return flops * reps / dt / 1e9, flops * reps / (time.process_time() - c0) / 1e9
 
 
+def read_gbps(gb: float = 1.0) -> float:
+    """GB/s of summing a fresh fp32 buffer of `gb` GB (larger than the caches: what reading keys/values costs),
+    torch's threads, the best of 3."""
+    x = torch.ones(int(gb * 2**30) // 4)
+    best = 0.0
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x.sum()
+        best = max(best, x.numel() * 4 / 1e9 / (time.perf_counter() - t0))
+    return best
+
+
 def rss_gb() -> tuple[float, float]:
     """This process's resident memory now and at its peak, GB."""
     with open("/proc/self/statm") as f:
@@ -295,6 +307,12 @@ async def compute_limit_run(args, threads: int) -> float:
     f_prefill, f_decode, f_head = 2 * params * prefill_rows, 2 * params * decode_rows, 2 * hidden * vocab * generated
     limit = {"prefill": f_prefill / g_prefill / 1e9, "decode": f_decode / g_decode / 1e9, "lm_head": f_head / g_head / 1e9}
     at_limit = sum(limit.values())
+    # what the limit leaves out: a decode step's attention reads every running row's keys/values (fp32: the
+    # learner's numbers), bytes no FLOP count sees; at the memory's read speed they are a second floor
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
+        getattr(config, "head_dim", None) or hidden // config.num_attention_heads) * 4
+    kv_gb = per_token * sum(len(ids) + j for ids, g in calls for j in range(1, len(g.output_ids))) / 1e9
+    gbps = read_gbps()
     cpu_at_limit = sum(f / g / 1e9 for f, g in zip((f_decode, f_prefill, f_head), cpu_gflops))
 
     # exactness: the engine's log-probs against a plain fp32 forward of prompt + output (the learner's)
@@ -320,6 +338,9 @@ async def compute_limit_run(args, threads: int) -> float:
           f"{cpu_at_limit:.1f}: ratio {cpu_at_limit / cpu:.2f}")
     print(f"  memory of this process (model, engine, client): RSS {rss_before[0]:.2f} GB before the workload "
           f"(peak {rss_before[1]:.2f}), {rss_after[0]:.2f} GB after it (peak {rss_after[1]:.2f})")
+    print(f"  decode's key/value reads {kv_gb:.1f} GB, at {gbps:.1f} GB/s (a 1 GB sum, same threads) {kv_gb / gbps:.1f} s: "
+          f"with them the floor is {at_limit + kv_gb / gbps:.1f} s, ratio {(at_limit + kv_gb / gbps) / wall:.2f} "
+          f"(decode {(limit['decode'] + limit['lm_head'] + kv_gb / gbps) / t['decode']:.2f})")
     print(f"  sampler vs a plain forward (last 8 requests): mean |log ratio| {ratios.mean():.2e}, max {ratios.max():.2e}")
     print(f"\n{'phase':>22} | {'seconds':>7} | {'share':>5} | {'at the limit (s)':>16} | limit / actual | "
           f"model thread CPU s")

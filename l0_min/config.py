@@ -81,7 +81,7 @@ class KernelConfig:
     exec_timeout: float = 30.0  # per cell
     interrupt_grace: float = 3.0  # after an interrupt on timeout, wait this long, then kill
     max_output_chars: int = 8000  # longer outputs keep head and tail with a marker between
-    max_starting: int = 0  # kernels the pool starts at once (0: the number of CPUs)
+    max_starting: int = 0  # kernels the pool starts at once (0: twice the CPUs: a start waits as long as it computes)
     start_backoff: float = 0.5  # first delay before retrying a failed start, doubled each time
 
 
