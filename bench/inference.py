@@ -21,11 +21,13 @@ workload against the machine's compute limit.
    tokens; through the server's HTTP app and engine (in this process, so forward hooks can time the
    model). The arithmetic it needs: 2 x non-embedding params per token an ideal prefix cache computes
    (each distinct prefix once: the nodes of the token trie of all the agents' sequences), + 2 x hidden x
-   vocab (the LM head) per sampled token; attention scores are not counted. The limit: that arithmetic
-   at the speed plain fp32 matmuls of the model's shapes reach in the same run, same threads (decode
-   shapes at 64 rows, prefill shapes at 512, the LM head at 64; the best of 3 probes before and 3 after
-   the workload: what the cores do when nothing else runs, so other load lowers the ratio, never raises
-   it). Printed per phase (prefill forwards, decode forwards, the LM head inside them, and the host:
+   vocab (the LM head) per sampled token, + attention: 4 x query heads x head_dim x layers FLOPs per key
+   column a computed token reads. The limit: that arithmetic at the speed plain fp32 matmuls of the
+   model's shapes reach in the same run, same threads (decode shapes at 64 rows, prefill shapes at 512,
+   the LM head at 64; the best of 3 probes before and 3 after the workload: what the cores do when
+   nothing else runs, so other load lowers the ratio, never raises it), except decode attention, which
+   is memory-bound (1.5 FLOPs per byte of fp32 keys/values): its floor is the bytes it reads at the speed
+   a 1 GB sum reaches. The weights' matmuls alone (the first estimate, issue 25) are printed too. Printed per phase (prefill forwards, decode forwards, the LM head inside them, and the host:
    everything outside the model's forwards), and the same ratio in CPU seconds, which other load on a
    shared machine changes less (with --threads 1 it counts no OpenMP spinning).
 
@@ -224,16 +226,17 @@ def agent_prompts(tok, system: str, i: int):
     return first, observation
 
 
-def unique_tokens(sequences: list[list[int]]) -> int:
-    """Nodes of the token trie of these sequences: the tokens an ideal prefix cache computes once."""
-    root, nodes = {}, 0
+def unique_tokens(sequences: list[list[int]]) -> tuple[int, int]:
+    """Nodes of the token trie of these sequences (the tokens an ideal prefix cache computes once), and the sum
+    of their depths (the key columns those tokens' attention reads: a token sees itself and all before it)."""
+    root, nodes, columns = {}, 0, 0
     for seq in sequences:
         node = root
-        for t in seq:
+        for depth, t in enumerate(seq, 1):
             if t not in node:
-                node[t], nodes = {}, nodes + 1
+                node[t], nodes, columns = {}, nodes + 1, columns + depth
             node = node[t]
-    return nodes
+    return nodes, columns
 
 
 async def demo_workload(client, tok, system: str, agents: int, turns: int, new_tokens: int):
@@ -300,20 +303,29 @@ async def compute_limit_run(args, threads: int) -> float:
     finals = [turns_[-1][0] + turns_[-1][1].output_ids for turns_ in per_agent]  # the last turn holds them all
     generated = sum(len(g.output_ids) for _, g in calls)
     decode_rows = sum(len(g.output_ids) - 1 for _, g in calls)  # the first token of a turn comes from its prefill
-    prefill_rows = unique_tokens(finals) - len(finals) - decode_rows  # a last token is never fed
+    nodes, columns = unique_tokens(finals)
+    prefill_rows = nodes - len(finals) - decode_rows  # a last token is never fed
+    decode_cols = sum(len(ids) + j for ids, g in calls for j in range(1, len(g.output_ids)))  # columns each reads
+    prefill_cols = columns - sum(map(len, finals)) - decode_cols
     cached = sum(g.meta_info.get("cached_tokens", 0) for _, g in calls)
     prompt_tokens = sum(len(ids) for ids, _ in calls)
 
     f_prefill, f_decode, f_head = 2 * params * prefill_rows, 2 * params * decode_rows, 2 * hidden * vocab * generated
-    limit = {"prefill": f_prefill / g_prefill / 1e9, "decode": f_decode / g_decode / 1e9, "lm_head": f_head / g_head / 1e9}
+    weights_only = f_prefill / g_prefill / 1e9 + f_decode / g_decode / 1e9 + f_head / g_head / 1e9
+    # attention: 4 x query heads x head_dim FLOPs per layer for each key column a token reads (scores, then
+    # values). Prefill's is arithmetic at matmul speed; a decode step's reads each running row's keys/values
+    # (fp32, 2 x layers x kv_heads x head_dim x 4 bytes a column) for 1.5 FLOPs a byte with SmolLM2's 9 : 3
+    # heads: memory-bound, so its floor is those bytes at the memory's read speed (a sum over 1 GB, same threads)
+    hd = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    per_col = 4 * config.num_attention_heads * hd * config.num_hidden_layers
+    kv_gb, gbps = 2 * config.num_hidden_layers * config.num_key_value_heads * hd * 4 * decode_cols / 1e9, read_gbps()
+    def floor(g_decode, g_prefill, g_head, read_seconds):  # seconds of each phase at these speeds
+        return {"prefill": (f_prefill + per_col * prefill_cols) / g_prefill / 1e9, "lm_head": f_head / g_head / 1e9,
+                "decode": f_decode / g_decode / 1e9 + max(per_col * decode_cols / g_decode / 1e9, read_seconds)}
+
+    limit = floor(g_decode, g_prefill, g_head, kv_gb / gbps)
     at_limit = sum(limit.values())
-    # what the limit leaves out: a decode step's attention reads every running row's keys/values (fp32: the
-    # learner's numbers), bytes no FLOP count sees; at the memory's read speed they are a second floor
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * (
-        getattr(config, "head_dim", None) or hidden // config.num_attention_heads) * 4
-    kv_gb = per_token * sum(len(ids) + j for ids, g in calls for j in range(1, len(g.output_ids))) / 1e9
-    gbps = read_gbps()
-    cpu_at_limit = sum(f / g / 1e9 for f, g in zip((f_decode, f_prefill, f_head), cpu_gflops))
+    cpu_at_limit = sum(floor(*cpu_gflops, kv_gb / gbps * threads).values())  # the read keeps every thread busy
 
     # exactness: the engine's log-probs against a plain fp32 forward of prompt + output (the learner's)
     ratios = []
@@ -338,9 +350,9 @@ async def compute_limit_run(args, threads: int) -> float:
           f"{cpu_at_limit:.1f}: ratio {cpu_at_limit / cpu:.2f}")
     print(f"  memory of this process (model, engine, client): RSS {rss_before[0]:.2f} GB before the workload "
           f"(peak {rss_before[1]:.2f}), {rss_after[0]:.2f} GB after it (peak {rss_after[1]:.2f})")
-    print(f"  decode's key/value reads {kv_gb:.1f} GB, at {gbps:.1f} GB/s (a 1 GB sum, same threads) {kv_gb / gbps:.1f} s: "
-          f"with them the floor is {at_limit + kv_gb / gbps:.1f} s, ratio {(at_limit + kv_gb / gbps) / wall:.2f} "
-          f"(decode {(limit['decode'] + limit['lm_head'] + kv_gb / gbps) / t['decode']:.2f})")
+    print(f"  the limit's parts: the weights' matmuls {weights_only:.1f} s (alone: ratio {weights_only / wall:.2f}); "
+          f"prefill attention {per_col * prefill_cols / 1e9:.0f} GFLOP, {per_col * prefill_cols / g_prefill / 1e9:.1f} s; "
+          f"decode attention's key/value reads {kv_gb:.1f} GB at {gbps:.1f} GB/s, {kv_gb / gbps:.1f} s")
     print(f"  sampler vs a plain forward (last 8 requests): mean |log ratio| {ratios.mean():.2e}, max {ratios.max():.2e}")
     print(f"\n{'phase':>22} | {'seconds':>7} | {'share':>5} | {'at the limit (s)':>16} | limit / actual | "
           f"model thread CPU s")

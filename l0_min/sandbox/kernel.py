@@ -46,6 +46,7 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass
+from queue import Empty
 
 import zmq
 import zmq.asyncio
@@ -270,7 +271,7 @@ class Kernel:
         km._close_control_socket()  # nobody would read it: an interrupt opens one, then closes it (`_run`)
         self._kc = km.client(context=zmq_context())  # not a context (and io thread) of its own
         self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
-        await self._until_exit(self._kc.wait_for_ready(timeout=self.kcfg.start_timeout))
+        await self._until_exit(self._ready())
         for name in WANTED:  # from now on everything the kernel sends is read as it arrives
             self._inbox[name] = asyncio.Queue()
             self._readers.append(asyncio.ensure_future(self._read(name)))
@@ -278,6 +279,16 @@ class Kernel:
         r = await self._request("", silent=True, user_expressions={"ok": "type(notepad).__name__"}, timeout=10)
         if r["user_expressions"]["ok"].get("status") != "ok":
             raise KernelStartError(f"the toolbox is not loaded in kernel {self.id}: {r['user_expressions']['ok']}")
+
+    async def _ready(self) -> None:
+        """jupyter_client's wait_for_ready (a kernel_info reply on shell, then any message on iopub, else ask again)
+        without its last step, 0.2 s of silence on iopub (of a ~0.5 s start): the reader drops other requests' messages."""
+        while True:
+            self._kc.kernel_info()
+            with contextlib.suppress(Empty):
+                if (await self._kc.shell_channel.get_msg(timeout=1))["msg_type"] == "kernel_info_reply":
+                    await self._kc.iopub_channel.get_msg(timeout=0.2)
+                    return
 
     async def _launched(self, ip: str) -> None:
         """Right after the process exists: watch it, keep its log; sandboxed, pin its sockets.
