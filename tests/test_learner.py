@@ -237,16 +237,17 @@ def fast_paths(tmp_path_factory):
     return json.loads((tmp / "report.json").read_text())
 
 
-@pytest.mark.parametrize("variant", ["full", "selective", "varlen", "compiled"])
+@pytest.mark.parametrize("variant", ["full", "selective", "gathered", "varlen", "compiled"])
 def test_each_speed_path_gives_the_eager_step_on_2_ranks(fast_paths, variant):
     """One FSDP2 step on 2 gloo ranks with each option = the eager step (one SDPA per row, nothing recomputed,
-    nothing compiled). Recomputation replays the same fp32 ops (equal up to a BLAS that sums in an order that
+    nothing compiled, weights gathered per micro-batch). Recomputation (and gathering once) replays the same fp32 ops (equal up to a BLAS that sums in an order that
     depends on memory alignment: a few ulps, 1e-6). The varlen path's attention (a dense masked SDPA double on
     CPU) sums the same products in another order: fp32 rounding, ~1e-7 relative per op, grown through 4
     layers and the softmax's exp to < 1e-4 of the largest gradient (measured 2e-5)."""
     eager, got = fast_paths["eager"], fast_paths[variant]
-    tol = 1e-6 if variant in ("full", "selective") else 1e-4
+    tol = 1e-6 if variant in ("full", "selective", "gathered") else 1e-4
     assert got["params"] == eager["params"]  # the options rename nothing (checkpoints, export)
+    assert got["resharded"]  # learner.reshard false: the weights gathered for the step are freed at its end
     assert got["loss"] == pytest.approx(eager["loss"], rel=tol / 10)
     assert got["grad_norm"] == pytest.approx(eager["grad_norm"], rel=tol / 10)
     assert got["max_grad_diff"] <= tol

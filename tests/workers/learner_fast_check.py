@@ -21,6 +21,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch.nn.attention.varlen  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from l0_min.config import Config, resolve  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
@@ -63,6 +64,7 @@ VARIANTS = {
     "full": {"activation_checkpointing": True},  # a bool of an older config: full
     "selective": {"activation_checkpointing": "selective"},
     "varlen": {"attention": "varlen"},
+    "gathered": {"reshard": False},  # configs/cpu_*.yaml: the weights gathered once a step, not per micro-batch
     # configs/gpu_example.yaml's fast path, with the varlen double (auto is rows on CPU) and aot_eager: dynamo +
     # AOTAutograd's recompute partition without inductor's C++ build, which takes minutes on CPU (inductor's
     # kernels: bench/gpu_smoke.py on CUDA)
@@ -82,6 +84,7 @@ for name, options in VARIANTS.items():
         eager = grads
     diff = max(((grads[n] - eager[n]).abs().max() / eager[n].abs().max()).item() for n in grads)
     report[name] = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "max_grad_diff": diff,
+                    "resharded": all(isinstance(p, DTensor) for p in learner.model.parameters()),  # the next step gathers
                     "graphs": dict(counters["stats"]), "params": sorted(grads)}  # fmt: skip
     del learner
 if rank == 0:
