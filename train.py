@@ -45,7 +45,7 @@ try:
     if args.resume:
         if not (Path(args.resume) / "config.yaml").is_file():
             fail(f"--resume {args.resume}: no config.yaml there (not a run folder)")
-        cfg = configlib.resolve(args.overrides, base=configlib.load(Path(args.resume) / "config.yaml"))
+        cfg = configlib.resolve(args.overrides, base=configlib.resolve(config_file=Path(args.resume) / "config.yaml"))
     else:
         cfg = configlib.resolve(args.overrides, args.config)
 except configlib.ConfigError as e:
@@ -154,7 +154,7 @@ if rank0:
     runner = asyncio.Runner()
     services = contextlib.AsyncExitStack()
     stream = TaskStream(train_sources, weights, seed=cfg.run.seed, position=position)
-    logger = MetricsLogger(run.path, cfg.log, config=configlib.to_dict(cfg))
+    logger = MetricsLogger(run.path, cfg.log, config=dataclasses.asdict(cfg))
     try:
         svc = runner.run(services.enter_async_context(
             rollout_env(cfg, model_path, learner.tokenizer, train_tasks + eval_tasks, envs, log_dir=run.path)))

@@ -68,8 +68,6 @@ def task_message(env, task: Task, cfg: Config) -> str:
 
 
 # ---------------------------------------------------------------------------- parsing an action
-
-
 @dataclass
 class Parsed:
     think: str = ""
@@ -95,7 +93,6 @@ def parse_action(text: str, finish_reason: str = "stop", matched_stop=None, min_
     """
     m = _THINK.search(text)
     think = m.group(1).strip() if m else ""
-    ok = format_ok(text, min_think_chars, min_code_chars, finish_reason)
     after_think = text[m.end() :] if m else text
     start = after_think.find("<code>")
     if start < 0:
@@ -115,7 +112,7 @@ def parse_action(text: str, finish_reason: str = "stop", matched_stop=None, min_
         return Parsed(think, error="the <code> block is empty")
     if not m:
         return Parsed("", code, error="start each step with <think>...</think>")
-    return Parsed(think, code, ok)
+    return Parsed(think, code, format_ok(text, min_think_chars, min_code_chars, finish_reason))
 
 
 def sampling_params(cfg: Config, room: int) -> dict:
@@ -125,8 +122,6 @@ def sampling_params(cfg: Config, room: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------- the episode
-
-
 async def run_episode(task: Task, env, policy: Policy, kernel: Kernel, tools: Tools, tokenizer, cfg: Config) -> Episode:
     """Run one NB-Agent episode of `env` (l0_min.envs) on an acquired kernel whose workspace the caller
     prepared; the caller acquires and releases it."""
@@ -215,8 +210,7 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel
             output = f"Format error: {p.error}. Write <think>...</think> then <code>...</code>; nothing was run."
 
         # 4. did it end? else the observation goes back into the context, with a budget note
-        answer = tools.final_answer(kernel.id)
-        if answer is not None:
+        if (answer := tools.final_answer(kernel.id)) is not None:
             ep.final_answer = answer
             step.observation = f"<output>\n{output}\n</output>\n[final answer recorded]"
         elif dead:

@@ -145,8 +145,7 @@ def dynamic_sampling_keep(core_rewards: list[float], groups: list[int]) -> list[
     >>> dynamic_sampling_keep([0, 0, 1, 1, 0, 1, 0.1, 0.1], [0, 0, 1, 1, 2, 2, 3, 3])
     [False, False, False, False, True, True, False, False]
     """
-    by_group = _by_group(core_rewards, groups)
-    varied = {g for g, idx in by_group.items() if len({core_rewards[i] for i in idx}) > 1}
+    varied = {g for g, idx in _by_group(core_rewards, groups).items() if len({core_rewards[i] for i in idx}) > 1}
     return [g in varied for g in groups]
 
 

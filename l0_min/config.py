@@ -352,14 +352,6 @@ def resolve(overrides: list[str] = (), config_file: str | Path | None = None, ba
     return cfg
 
 
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def save(cfg: Config, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def load(path: str | Path) -> Config:
-    """Load a resolved config written by `save` (used by --resume)."""
-    return resolve(config_file=path)
+    """The resolved tree, as YAML that `resolve(config_file=path)` reads back to it (--resume)."""
+    Path(path).write_text(yaml.safe_dump(dataclasses.asdict(cfg), sort_keys=False))

@@ -171,8 +171,7 @@ class ContextWatcher:
         self.min_room = max(1, min(cfg.min_action_tokens, max_new_tokens))
         self.keep_recent, self.fill = cfg.keep_recent_steps, cfg.rebuild_fill
         self.turns: list[_Turn] = []  # every appended step of the episode, also the dropped ones
-        self.segment = self.truncations = 0
-        self.dropped = 0  # steps not in the current context
+        self.segment = self.truncations = self.dropped = 0  # dropped: steps not in the current context
         self.ids: list[int] = self._head(task_text)
 
     def _head(self, user_text: str) -> list[int]:
@@ -222,8 +221,7 @@ class ContextWatcher:
         note = (f"[Context rebuilt: {gone} dropped to save space"
                 + (f"; the last {kept} step(s) follow" if kept else "")
                 + ". Kernel variables and your notepad are kept.]")
-        notepad = notepad.strip() or "(empty)"
-        return f"{self.task_text}\n\n{note}\nNotepad:\n{notepad}"
+        return f"{self.task_text}\n\n{note}\nNotepad:\n{notepad.strip() or '(empty)'}"
 
     def rebuild(self, notepad: str) -> bool:
         """Start a new segment: system, task, drop note, notepad, then the most recent steps that fit.

@@ -514,10 +514,9 @@ class Learner:
             self.opt.zero_grad(set_to_none=True)
             for i, b in enumerate(batches):
                 if not self.cfg.reshard:  # gathered once a step: the last micro-batch's backward frees the weights
-                    last = i == len(batches) - 1  # (on one rank sharding saves nothing: re-gathering is only copies)
-                    for m in _layers(self.model):
-                        m.set_reshard_after_forward(last)
-                    self.model.set_reshard_after_backward(last)
+                    for m in _layers(self.model):  # (on one rank sharding saves nothing: re-gathering is only copies)
+                        m.set_reshard_after_forward(i == len(batches) - 1)
+                    self.model.set_reshard_after_backward(i == len(batches) - 1)
                 logp = token_logprobs(self.model, b["ids"], b["pos"], b["mask"] > 0, 1.0 if sft else self.temperature)
                 if epoch == 0:  # prox = the learner at the start of the step; the weights stay fixed for the step
                     b["prox"] = logp.detach()

@@ -163,8 +163,7 @@ def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
         tools.update(ep.tool_calls)
     m.update({f"tools/{tool}": tools[tool] for tool in sorted(tools)})
     ran = [s.exec_ok for ep in episodes for s in ep.steps if s.exec_ok is not None]
-    m["exec_steps"] = len(ran)
-    m["exec_error_rate"] = (sum(ok is False for ok in ran) / len(ran)) if ran else None
+    m["exec_steps"], m["exec_error_rate"] = len(ran), (sum(ok is False for ok in ran) / len(ran)) if ran else None
     m["truncations"] = sum(ep.truncations for ep in episodes)
     versions = {ep.weight_version for ep in episodes} | {s.weight_version for ep in episodes for s in ep.steps}
     m["weight_versions"] = sorted(v for v in versions if v)
@@ -251,10 +250,6 @@ def _jsonable(v):
     return str(v)
 
 
-def _warn(msg: str) -> None:
-    print(f"l0_min.log: warning: {msg}", file=sys.stderr, flush=True)
-
-
 class MetricsLogger:
     """Append one JSON line per step to metrics.jsonl, and mirror the numbers to optional sinks.
 
@@ -271,8 +266,9 @@ class MetricsLogger:
         self.sinks = ["jsonl"]
         self._file = open_jsonl(self.run_dir.metrics_jsonl)
         self._tb = self._wandb = None
-        skip = lambda key, e, hint: _warn(f"log.{key}=true but {key} {hint} ({type(e).__name__}: {e}); "  # noqa: E731
-                                          f"`pip install {key}` to use it. Logging to metrics.jsonl only.")
+        skip = lambda key, e, hint: print(f"l0_min.log: warning: log.{key}=true but {key} {hint} "  # noqa: E731
+                                          f"({type(e).__name__}: {e}); `pip install {key}` to use it. "
+                                          "Logging to metrics.jsonl only.", file=sys.stderr, flush=True)
         if self.cfg.tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

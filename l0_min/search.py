@@ -171,8 +171,7 @@ class RetrieverClient(_Http):
         super().__init__(timeout)
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"retriever url must start with http:// or https://, got {url!r}")
-        url = url.rstrip("/")
-        self.url = url if url.endswith("/retrieve") else url + "/retrieve"
+        self.url = url.rstrip("/").removesuffix("/retrieve") + "/retrieve"
         self._seen: dict[str, dict] = {}
 
     async def search(self, query: str, k: int) -> list[dict]:

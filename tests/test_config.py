@@ -1,6 +1,6 @@
 import pytest
 
-from l0_min.config import Config, ConfigError, load, resolve, save
+from l0_min.config import Config, ConfigError, resolve, save
 
 
 def test_defaults_file_then_overrides(tmp_path):
@@ -40,7 +40,7 @@ def test_unknown_key_and_wrong_type_name_the_key(tmp_path):
 def test_resolved_config_round_trips(tmp_path):
     cfg = resolve(["algo.advantage=grpo", "learner.betas=[0.9,0.95]", "run.steps=3"])
     save(cfg, tmp_path / "config.yaml")
-    assert load(tmp_path / "config.yaml") == cfg
+    assert resolve(config_file=tmp_path / "config.yaml") == cfg
 
 
 def test_every_shipped_config_file_loads():

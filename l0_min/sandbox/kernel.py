@@ -281,8 +281,7 @@ class Kernel:
             raise KernelStartError(f"the toolbox is not loaded in kernel {self.id}: {r['user_expressions']['ok']}")
 
     async def _ready(self) -> None:
-        """jupyter_client's wait_for_ready (a kernel_info reply on shell, then any message on iopub, else ask again)
-        without its last step, 0.2 s of silence on iopub (of a ~0.5 s start): the reader drops other requests' messages."""
+        """jupyter_client's wait_for_ready without its last step, 0.2 s of silence on iopub (of a ~0.5 s start)."""
         while True:
             self._kc.kernel_info()
             with contextlib.suppress(Empty):

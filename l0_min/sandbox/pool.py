@@ -10,8 +10,7 @@ for every episode).
 
 The pool keeps `pool_size` kernels ready or starting, plus one more per waiting `acquire`, so a
 replacement starts as soon as a kernel is taken, and a burst of acquires starts kernels for all
-of them. At most `max_starting` kernels start at once (a start is ~0.3 s of CPU, importing IPython, in
-~0.5 s: twice the CPUs by default keeps the cores busy).
+of them. At most `max_starting` kernels start at once (a start: ~0.3 s CPU importing IPython, ~0.5 s wall).
 A failed start is retried with exponential backoff; after `start_retries` failures in a row the
 waiting `acquire` raises KernelStartError with the last error. `stats` counts what happened.
 """
