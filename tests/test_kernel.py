@@ -1,6 +1,6 @@
 """Kernel, KernelPool and the tool server, on real sandboxed ipykernels.
 
-Kernels are started concurrently once per module (a start is ~1 s of CPU); tests that destroy a
+Kernels are started concurrently once per module (a start is ~0.3 s of CPU); tests that destroy a
 kernel take one of the spares.
 """
 

@@ -1,7 +1,7 @@
 """Async Jupyter kernels, each in its own bubblewrap sandbox (bwrap.py).
 
     k = Kernel(cfg.sandbox, cfg.kernel, tool_server)
-    await k.start()                      # ~1 s: bwrap + ipykernel with the toolbox preloaded
+    await k.start()                      # ~0.5 s: bwrap + ipykernel with the toolbox preloaded
     r = await k.execute("x = 1; x + 1")  # ExecResult(result="2", ...), ~10 ms
     await k.shutdown()                   # no process, no workspace left
 
