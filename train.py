@@ -45,7 +45,7 @@ try:
     if args.resume:
         if not (Path(args.resume) / "config.yaml").is_file():
             fail(f"--resume {args.resume}: no config.yaml there (not a run folder)")
-        cfg = configlib.resolve(args.overrides, base=configlib.resolve(config_file=Path(args.resume) / "config.yaml"))
+        cfg = configlib.resolve(args.overrides, Path(args.resume) / "config.yaml")
     else:
         cfg = configlib.resolve(args.overrides, args.config)
 except configlib.ConfigError as e:

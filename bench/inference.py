@@ -27,7 +27,8 @@ workload against the machine's compute limit.
    the LM head at 64; the best of 3 probes before and 3 after the workload: what the cores do when
    nothing else runs, so other load lowers the ratio, never raises it), except decode attention, which
    is memory-bound (1.5 FLOPs per byte of fp32 keys/values): its floor is the bytes it reads at the speed
-   a 1 GB sum reaches. The weights' matmuls alone (the first estimate, issue 25) are printed too. Printed per phase (prefill forwards, decode forwards, the LM head inside them, and the host:
+   a 1 GB sum reaches. The weights' matmuls alone (the first estimate, issue 25) are printed too.
+   Printed per phase (prefill forwards, decode forwards, the LM head inside them, and the host:
    everything outside the model's forwards), and the same ratio in CPU seconds, which other load on a
    shared machine changes less (with --threads 1 it counts no OpenMP spinning).
 
@@ -319,6 +320,7 @@ async def compute_limit_run(args, threads: int) -> float:
     hd = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
     per_col = 4 * config.num_attention_heads * hd * config.num_hidden_layers
     kv_gb, gbps = 2 * config.num_hidden_layers * config.num_key_value_heads * hd * 4 * decode_cols / 1e9, read_gbps()
+
     def floor(g_decode, g_prefill, g_head, read_seconds):  # seconds of each phase at these speeds
         return {"prefill": (f_prefill + per_col * prefill_cols) / g_prefill / 1e9, "lm_head": f_head / g_head / 1e9,
                 "decode": f_decode / g_decode / 1e9 + max(per_col * decode_cols / g_decode / 1e9, read_seconds)}
