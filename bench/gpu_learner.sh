@@ -6,15 +6,23 @@
 # Arguments go to the bench (e.g. --shapes 3b, --after learner.compile=none).
 #   PYTHON=.venv/bin/python bash bench/gpu_learner.sh
 #   SMOKE=0 bash bench/gpu_learner.sh            # the bench only
+#   DIAG=1 bash bench/gpu_learner.sh             # where the after rows' time goes (~8 min): no before rows (the
+#     README has them), each shape's after row and a learner.reshard=false row, each step profiled (the device's time
+#     by kind of kernel, its idle share, the longest kernels, torch.compile's graph breaks); no gpu_smoke
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
-timeout ${BENCH_S:-390} $PY bench/learner.py --mfu "$@"
+if [ "${DIAG:-0}" != 0 ]; then
+  timeout ${BENCH_S:-500} $PY bench/learner.py --mfu --no-before --profile --budget-s 400 --shapes 1.5b,0.5b,3b \
+    --variant gathered learner.reshard=false "$@"
+else
+  timeout ${BENCH_S:-390} $PY bench/learner.py --mfu "$@"
+fi
 bench=$?
 smoke=skipped
-if [ "${SMOKE:-1}" != 0 ]; then
+if [ "${SMOKE:-1}" != 0 ] && [ "${DIAG:-0}" = 0 ]; then
   timeout ${SMOKE_S:-180} $PY -m torch.distributed.run --standalone --nproc_per_node=1 bench/gpu_smoke.py
   smoke=$?
 fi

@@ -14,6 +14,10 @@ and "after" (configs/gpu_example.yaml's learner section, plus --after overrides)
 warm-up step, two timed steps. MFU = useful FLOPs (`step_flops`) / step time / 989 TFLOP/s (H100 SXM bf16),
 also against a bf16 8192^3 matmul timed in the same run; peak = torch.cuda.max_memory_allocated from the
 build on. The before and after log-probs of micro-batch 0 (same weights) must agree to bf16 noise.
+--variant NAME OVERRIDE... adds a row (the after row's settings plus overrides), --no-before drops the before rows,
+--profile profiles one more step of each row but before: the device's time by kind of kernel, its idle share
+within the step, the longest kernels, torch.compile's graph breaks (on CPU: the ops' self time). On CPU the after
+row runs gpu_example.yaml's learner with device cpu and compile aot_eager (inductor's C++ build takes minutes).
 
 Workload: a realistic agent batch. Row lengths are log-normal (median ~500, clipped to 100..1500
 tokens); each row is a prompt followed by alternating action spans (masked in, ~30% of the tokens,
@@ -87,6 +91,12 @@ ap.add_argument("--mfu", action="store_true", help="the learner against the GPU'
 ap.add_argument("--shapes", default="3b,1.5b,0.5b", help="--mfu on CUDA: Qwen2.5 shapes, in this order")
 ap.add_argument("--after", nargs="*", default=[], help="--mfu: overrides of the after row, e.g. learner.compile=aot_eager")
 ap.add_argument("--budget-s", type=float, default=270.0, help="--mfu: start no new row after this many seconds")
+ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "OVERRIDE"),
+                help="--mfu: one more row, the after row's settings plus overrides (repeatable), e.g. --variant "
+                     "gathered learner.reshard=false")  # fmt: skip
+ap.add_argument("--no-before", action="store_true", help="--mfu: skip the before rows (the README has their numbers)")
+ap.add_argument("--profile", action="store_true", help="--mfu: one more step of each row but before, profiled: "
+                "where the device's time goes, by kind of kernel, and how much of the step it is idle")
 args = ap.parse_args()
 
 RATIO_TARGET, PACK_TARGET = 0.9, 0.95
@@ -361,6 +371,63 @@ def random_model(config):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 
+KINDS = (  # (kind, words in a kernel's or CPU op's lower-cased name), the first match wins
+    ("collectives (FSDP)", ("nccl", "c10d::", "all_gather", "reduce_scatter")),
+    ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "aten::mm", "aten::addmm", "aten::bmm", "aten::linear")),
+    ("multi-tensor (AdamW, grad norm)", ("multi_tensor", "adam", "foreach")),
+    ("compiled (triton)", ("triton",)),
+    ("copies, casts, cat", ("memcpy", "memset", "copy", "cat", "aten::to", "index")),
+    ("elementwise, reductions (aten)", ("elementwise", "reduce", "aten::")),
+)  # fmt: skip
+
+
+def kind_of(name: str) -> str:
+    name = name.lower()
+    return next((k for k, words in KINDS if any(w in name for w in words)), "other")
+
+
+def profile_step(tag: str, learner, rows: list[Row]) -> dict:
+    """One more step under torch.profiler: the device's busy time by kind of kernel, its idle time within the step
+    (the host not keeping up: launches, Python, syncs) and the longest kernels; on CPU, the ops' self time.
+    Where the time goes, to show what to change next (issue 27's profile)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        t0 = time.perf_counter()
+        learner.train_step(rows)
+        sync()
+        wall = (time.perf_counter() - t0) * 1e6  # us, as the profiler's times
+    if cuda:  # the kernels (and memcpys/memsets) themselves: [start, end) on the device's clock
+        spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events() if e.device_type == DeviceType.CUDA]
+    else:  # CPU: each op's self time (its children's excluded), in one line of time
+        spans = [(0.0, e.self_cpu_time_total, e.name) for e in prof.events() if e.device_type == DeviceType.CPU
+                 and e.name.startswith(("aten::", "c10d::")) and e.self_cpu_time_total > 0]  # fmt: skip
+    by_kind, by_name = {}, {}
+    for a, b, name in spans:
+        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + (b - a)
+        n, t = by_name.get(name, (0, 0.0))
+        by_name[name] = (n + 1, t + b - a)
+    total, busy, end = sum(by_kind.values()) or 1.0, 0.0, -math.inf
+    for a, b, _ in sorted(spans) if cuda else ():  # the union of the device's intervals (its streams overlap)
+        busy, end = busy + max(0.0, b - max(a, end)), max(end, b)
+    busy = busy if cuda else total
+    if not spans:
+        log(f"{tag} profile: no {'kernel' if cuda else 'op'} events recorded")
+        return None
+    what = "device busy" if cuda else "ops' self CPU time"
+    log(f"{tag} profile: step {wall / 1e6:.2f} s under the profiler; {what} {busy / 1e6:.2f} s"
+        + (f" = {busy / wall:.0%} of the step (idle {1 - busy / wall:.0%}: the host not keeping up)" if cuda else ""))
+    for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        log(f"    {k:<32} {t / 1e6:8.3f} s {t / total:6.1%}")
+    log("    longest kernels (count, s):" if cuda else "    longest ops (count, s):")
+    for name, (n, t) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:10]:
+        log(f"      {n:6d} {t / 1e6:8.3f}  {name[:110]}")
+    return dict(wall=wall / 1e6, busy=busy / 1e6, kinds={k: t / 1e6 for k, t in by_kind.items()})
+
+
 def measure(tag, folder, c, config, rows, budget, matmul, todays: bool) -> dict:
     """One row: build the learner, micro-batch 0's log-probs (forward + backward: compile warm-up), one warm-up
     step, two timed steps."""
@@ -401,7 +468,8 @@ def measure(tag, folder, c, config, rows, budget, matmul, todays: bool) -> dict:
     mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
     log(f"[{time.perf_counter() - T_START:6.1f} s] {tag}: steps {' '.join(f'{x:.2f}' for x in secs)} s, "
         f"{total / step:,.0f} tokens/s, MFU {flops / step / PEAK:.1%}, peak {mem:.1f} GiB")
-    return dict(tok_s=total / step, mfu=flops / step / PEAK, of_matmul=flops / step / matmul, mem=mem, step=step,
+    prof = profile_step(tag, learner, rows) if args.profile and not todays else None
+    return dict(prof=prof, tok_s=total / step, mfu=flops / step / PEAK, of_matmul=flops / step / matmul, mem=mem, step=step,
                 loss=first["loss"], grad_norm=first["grad_norm"], lp=lp)  # fmt: skip
 
 
@@ -423,19 +491,24 @@ def mfu() -> None:
         vocab, total, n_rows, lengths, budget = 512, 4096, 12, (300, 64, 1024), 2048
     rows = agent_batch(n_rows, total, vocab, random.Random(args.seed), *lengths)
     gpu = resolve(config_file=Path(__file__).resolve().parents[1] / "configs/gpu_example.yaml").learner
+    gpu = replace(gpu, lr=1e-6, grad_clip=1.0, micro_batch_tokens=budget)
+    if not cuda:  # the same path on CPU: dynamo + AOTAutograd without inductor's C++ build (minutes here)
+        gpu = replace(gpu, device="cpu", compile="aot_eager" if gpu.compile != "none" else "none")
     base = replace(Config().learner, lr=1e-6, grad_clip=1.0, micro_batch_tokens=budget)
-    variants = {  # before: main at e64b70d (one SDPA per row, full checkpointing, autograd LM head, foreach AdamW)
-        "before": replace(base, attention="rows", activation_checkpointing="full", compile="none"),
-        "after": resolve(args.after, base=Config(learner=replace(gpu, lr=1e-6, grad_clip=1.0,
-                                                                 micro_batch_tokens=budget))).learner,
-    }  # fmt: skip
+    # before: main at e64b70d (one SDPA per row, full checkpointing, autograd LM head, foreach AdamW); after:
+    # gpu_example.yaml's learner section (+ --after); each --variant: the after row's settings + its overrides
+    variants = {} if args.no_before else {"before": replace(base, attention="rows", activation_checkpointing="full",
+                                                            compile="none")}  # fmt: skip
+    for name, overrides in [("after", []), *((v[0], v[1:]) for v in args.variant)]:  # (resolve sets its base's fields)
+        variants[name] = resolve(args.after + overrides, base=Config(learner=replace(gpu))).learner
     actions = sum(1 for r in rows for m in r.mask if m > 0)
     log(f"batch: {len(rows)} rows, {total} tokens (median row {sorted(map(len, rows))[len(rows) // 2]}, "
         f"{min(map(len, rows))}-{max(map(len, rows))}), action tokens {actions / total:.1%}, "
         f"{len(pack_rows(rows, budget))} micro-batches of <= {budget}; device {device}")  # fmt: skip
     for name, c in variants.items():
         log(f"{name}: attention={c.attention} activation_checkpointing={c.activation_checkpointing} compile={c.compile} "
-            f"mixed_precision={c.mixed_precision}{' + the autograd LM head, foreach AdamW' if name == 'before' else ''}")
+            f"reshard={c.reshard} micro_batch_tokens={c.micro_batch_tokens} mixed_precision={c.mixed_precision}"
+            f"{' + the autograd LM head, foreach AdamW' if name == 'before' else ''}")  # fmt: skip
     matmul = matmul_flops_per_s(8192 if cuda else 512)
     log(f"[{time.perf_counter() - T_START:6.1f} s] bf16 matmul {'8192' if cuda else '512'}^3: {matmul / 1e12:.1f} TFLOP/s")
     tmp, table = Path(tempfile.mkdtemp(prefix="l0min-bench-mfu-")), []
@@ -462,18 +535,27 @@ def mfu() -> None:
         table.append((shape, target, res))
     shutil.rmtree(tmp, ignore_errors=True)
 
-    print(f"\n{'shape':<6} {'path':<7} {'tokens/s':>9} {'MFU (989)':>9} {'of matmul':>9} {'peak GiB':>8} {'step s':>7} "
-          f"{'step-1 loss':>12} {'grad norm':>10}")  # fmt: skip
+    w = max(7, *map(len, variants))
+    print(f"\n{'shape':<6} {'path':<{w}} {'tokens/s':>9} {'MFU (989)':>9} {'of matmul':>9} {'peak GiB':>8} {'step s':>7} "
+          f"{'step-1 loss':>12} {'grad norm':>10} {'device idle':>11}")  # fmt: skip
     for shape, _, res in table:
         for name, r in res.items():
-            print(f"{shape:<6} {name:<7} {r['tok_s']:>9,.0f} {r['mfu']:>9.1%} {r['of_matmul']:>9.1%} {r['mem']:>8.1f} "
-                  f"{r['step']:>7.2f} {r['loss']:>12.5g} {r['grad_norm']:>10.4g}")  # fmt: skip
-        if len(res) == 2:
-            d, spread = (res["after"]["lp"] - res["before"]["lp"]).abs(), res["before"]["lp"].std().item()
+            idle = f"{1 - r['prof']['busy'] / r['prof']['wall']:.0%}" if r["prof"] and cuda else "-"
+            print(f"{shape:<6} {name:<{w}} {r['tok_s']:>9,.0f} {r['mfu']:>9.1%} {r['of_matmul']:>9.1%} {r['mem']:>8.1f} "
+                  f"{r['step']:>7.2f} {r['loss']:>12.5g} {r['grad_norm']:>10.4g} {idle:>11}")  # fmt: skip
+        ref = next((k for k in ("before", "after") if k in res), None)  # the others' log-probs against it
+        for name in [k for k in res if ref and k != ref]:
+            d, spread = (res[name]["lp"] - res[ref]["lp"]).abs(), res[ref]["lp"].std().item()
             ok = d.mean().item() <= 0.05 * spread
-            print(f"{shape:<6} after/before {res['after']['tok_s'] / res['before']['tok_s']:.2f}x tokens/s; log-probs "
-                  f"|after - before| mean {d.mean():.2e}, max {d.max():.2e} over {len(d)} action tokens (their spread "
+            print(f"{shape:<6} {name}/{ref} {res[name]['tok_s'] / res[ref]['tok_s']:.2f}x tokens/s; log-probs "
+                  f"|{name} - {ref}| mean {d.mean():.2e}, max {d.max():.2e} over {len(d)} action tokens (their spread "
                   f"{spread:.2e}; bf16 noise ~2% of it, a broken path ~100%): {'PASS' if ok else 'FAIL'}")  # fmt: skip
+    if any(r["prof"] for _, _, res in table for r in res.values()):
+        from torch._dynamo.utils import counters
+
+        breaks = sum(counters["graph_break"].values())
+        print(f"torch.compile: {counters['stats'].get('unique_graphs', 0)} graphs compiled, {breaks} graph breaks"
+              + "".join(f"\n  graph break x{n}: {' '.join(why.split())[:200]}" for why, n in counters["graph_break"].most_common(5)))
     print(f"\ntotal {time.perf_counter() - T_START:.1f} s; bf16 matmul {matmul / 1e12:.1f} TFLOP/s")
     for shape, target, res in table:
         if target is None:

@@ -256,6 +256,30 @@ def test_each_speed_path_gives_the_eager_step_on_2_ranks(fast_paths, variant):
         assert 0 < got["graphs"]["unique_graphs"] <= 5, got["graphs"]
 
 
+@pytest.mark.slow
+def test_the_mfu_bench_runs_every_row_and_profiles_on_cpu(tmp_path):
+    """bench/learner.py --mfu on CPU (a tiny shape; on a GPU, issue 27's table): the before row, the after row
+    (gpu_example.yaml's learner, on CPU with aot_eager), a --variant row, each one's log-probs equal the before
+    row's within bf16 noise, and --profile's breakdown of where each step's time goes."""
+    env = dict(os.environ, L0_MIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "bench/learner.py", "--mfu", "--profile", "--variant", "gathered",
+                        "learner.reshard=false"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = p.stdout
+    assert p.returncode == 0 and "FAILED" not in out, out[-3000:] + p.stderr[-3000:]
+    assert "after: attention=auto activation_checkpointing=full compile=aot_eager reshard=True" in out
+    assert "gathered: attention=auto activation_checkpointing=full compile=aot_eager reshard=False" in out
+    table = [line.split() for line in out.splitlines() if line.startswith("tiny ")]
+    assert [r[1] for r in table if "/" not in r[1] and r[2] != "profile:"] == ["before", "after", "gathered"]
+    assert [r[1] for r in table if r[-1] in ("PASS", "FAIL")] == ["after/before", "gathered/before"]
+    assert all(r[-1] == "PASS" for r in table if r[-1] in ("PASS", "FAIL"))
+    for row in ("after", "gathered"):  # the profile: per kind of op, its share; the kinds add up to 100%
+        block = out.split(f"tiny {row} profile:")[1].split("longest ops")[0].splitlines()[1:-1]
+        shares = {line[:36].strip(): float(line.split()[-1].rstrip("%")) for line in block}
+        assert shares["matmul"] > 0 and shares["attention"] > 0, block
+        assert sum(shares.values()) == pytest.approx(100, abs=0.1 * len(shares))  # each rounded to 0.1%
+    assert "graphs compiled" in out
+
+
 def test_fused_logprob_head_equals_autograd_of_log_softmax():
     """_LinearLogProb's hand-written backward ((onehot - softmax) * g / T into dh and dW, in chunks) equals
     autograd through log_softmax(h W^T / T): fp32, the same products summed in another order."""
