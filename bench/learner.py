@@ -418,8 +418,10 @@ def profile_step(tag: str, learner, rows: list[Row]) -> dict:
         log(f"{tag} profile: no {'kernel' if cuda else 'op'} events recorded")
         return None
     what = "device busy" if cuda else "ops' self CPU time"
+    waits = [e.time_range.end - e.time_range.start for e in prof.events() if e.name.endswith("Synchronize")]
     log(f"{tag} profile: step {wall / 1e6:.2f} s under the profiler; {what} {busy / 1e6:.2f} s"
-        + (f" = {busy / wall:.0%} of the step (idle {1 - busy / wall:.0%}: the host not keeping up)" if cuda else ""))
+        + (f" = {busy / wall:.0%} of the step (idle {1 - busy / wall:.0%}: the host not keeping up); the host waited "
+           f"for the device {len(waits)} times, {sum(waits) / 1e6:.2f} s (cuda*Synchronize)" if cuda else ""))
     for k, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
         log(f"    {k:<32} {t / 1e6:8.3f} s {t / total:6.1%}")
     log("    longest kernels (count, s):" if cuda else "    longest ops (count, s):")

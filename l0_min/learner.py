@@ -5,16 +5,17 @@
     learner.export_hf(folder, dtype="bfloat16")  # every rank (collective); rank 0 writes
     learner.save(ckpt_dir, extra) / learner.load(ckpt_dir)
 
-Each rank runs the same code (SPMD). The model is built on the meta device, `fully_shard` wraps every
-decoder layer, then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard.
-Micro-batches are packed: rows are concatenated into one sequence of at most `micro_batch_tokens` with
-position ids restarting per row, attention stays within each row (`packed_sdpa`, `packed_varlen`): no
-padding, no dense block-diagonal mask (bench/learner.py: it cost 2x at 4k-token micro-batches). The GPU
-speed paths are `apply_*` functions composed in `_build` (torchtitan's style).
+Each rank runs the same code (SPMD). The model is built on the meta device, `fully_shard` wraps every decoder
+layer, then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard. Micro-batches are
+packed: rows are concatenated into one sequence of at most `micro_batch_tokens` with position ids restarting per
+row, attention stays within each row (`packed_sdpa`, `packed_varlen`): no padding, no dense block-diagonal mask
+(bench/learner.py: it cost 2x at 4k-token micro-batches). A step reads nothing back from the device until its end
+(shapes are worked out on the host, sums stay on the device). The GPU speed paths are `apply_*` functions
+composed in `_build` (torchtitan's style).
 
-Log-probs are those of the distribution the sampler drew from: log_softmax(logits / T) at the
-sampling temperature T (SGLang's default; top-p / top-k truncation is not modelled). The LM head
-computes them in chunks of action positions (`LogProbHead`): no [tokens, vocab] fp32 tensor exists.
+Log-probs are those of the distribution the sampler drew from: log_softmax(logits / T) at the sampling
+temperature T (SGLang's default; top-p / top-k truncation is not modelled). The LM head computes them in chunks
+of action positions (`LogProbHead`): no [tokens, vocab] fp32 tensor exists.
 """
 
 from __future__ import annotations
@@ -121,34 +122,40 @@ def check_gpu_free(device: torch.device, min_free: float = 0.5) -> None:
                            "torchrun ... and the servers CUDA_VISIBLE_DEVICES=4,5,6,7")
 
 
-def all_reduce(values: list[float], device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
-    """Every small collective of the learner: float64 on the learner's device (nccl needs CUDA tensors)."""
-    t = torch.tensor(values, dtype=torch.float64, device=device)
+def all_reduce(values: list, device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
+    """The learner's small collectives: float64 on its device (nccl needs CUDA tensors); numbers or 0-dim tensors."""
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
     dist.all_reduce(t, op=op)
     return t.tolist()
 
 
 # -------------------------------------------------------------------------------------- packing
-def pack_rows(rows: list[Row], budget: int) -> list[list[Row]]:
-    """First-fit-decreasing packing of rows into micro-batches of at most `budget` tokens.
-
-    A row longer than the budget gets a micro-batch of its own.
+def pack_rows(rows: list[Row], budget: int, balance: bool = True) -> list[list[Row]]:
+    """Rows into as few micro-batches of at most `budget` tokens as first-fit-decreasing finds (here [[12], [6, 3, 1],
+    [5, 2]]), spread as evenly as the budget allows (longest first, each to the emptiest; as verl does): a pass has
+    fixed costs, so 65,536 tokens at 32,768 make 3 of ~21.8k, not 32.6k, 32.5k and 0.4k. A row over budget is alone.
 
     >>> r = lambda n: Row([0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
-    >>> [[len(x) for x in mb] for mb in pack_rows([r(6), r(3), r(5), r(2), r(12)], budget=10)]
-    [[12], [6, 3], [5, 2]]
+    >>> [[len(x) for x in mb] for mb in pack_rows([r(6), r(3), r(5), r(2), r(12), r(1)], 10)]
+    [[12], [6, 2, 1], [5, 3]]
     """
-    bins, room = [], []  # micro-batches, and the tokens left in each
+    bins, load = [], []  # first fit decreasing: how many micro-batches
     for row in sorted(rows, key=len, reverse=True):
-        for i, left in enumerate(room):
-            if len(row) <= left:
-                bins[i].append(row)
-                room[i] -= len(row)
-                break
-        else:
-            bins.append([row])
-            room.append(budget - len(row))
-    return bins
+        i = next((i for i, n in enumerate(load) if n + len(row) <= budget), len(bins))
+        if i == len(bins):
+            bins.append([])
+            load.append(0)
+        bins[i].append(row)
+        load[i] += len(row)
+    even, level = [[] for _ in bins], [0] * len(bins)
+    for row in sorted(rows, key=len, reverse=True) if balance else ():  # as many, filled evenly
+        fits = [i for i, n in enumerate(level) if n + len(row) <= budget or n == 0]
+        if not fits:  # no room in the even fill: first fit's packing stands
+            return bins
+        i = min(fits, key=level.__getitem__)
+        even[i].append(row)
+        level[i] += len(row)
+    return even if balance else bins
 
 
 def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
@@ -167,12 +174,15 @@ def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
     return mine
 
 
-def _concat(mb: list[Row], device) -> dict[str, torch.Tensor]:
-    """A micro-batch's rows as flat tensors: one tensor per row and field, concatenated, one copy to the device."""
-    cat = lambda f, dt: torch.cat([torch.as_tensor(f(r), dtype=dt) for r in mb]).to(device)
-    return {"ids": cat(lambda r: r.ids, torch.long), "pos": cat(lambda r: range(len(r)), torch.long),
-            "mask": cat(lambda r: r.mask, torch.float32), "adv": cat(lambda r: r.adv, torch.float32),
-            "old": cat(lambda r: r.old_logp, torch.float32)}  # fmt: skip
+def _concat(mb: list[Row], device) -> dict:
+    """A micro-batch's rows as flat tensors (one per row and field, concatenated, one copy to the device) and its
+    `packing`, worked out on the host: the step never waits for the device to learn a shape."""
+    cat = lambda f, dt: torch.cat([torch.as_tensor(f(r), dtype=dt) for r in mb])
+    b = {"ids": cat(lambda r: r.ids, torch.long), "pos": cat(lambda r: range(len(r)), torch.long),
+         "mask": cat(lambda r: r.mask, torch.float32), "adv": cat(lambda r: r.adv, torch.float32),
+         "old": cat(lambda r: r.old_logp, torch.float32)}  # fmt: skip
+    cu, longest, idx = packing(b["pos"], b["mask"] > 0)
+    return {k: v.to(device) for k, v in b.items()} | {"packing": (cu.to(device), longest, idx.to(device))}
 
 
 # ------------------------------------------------------------------------------------ attention
@@ -307,20 +317,23 @@ class LogProbHead(torch.nn.Linear):
         return _LinearLogProb.apply(h, self.weight, self.bias, self.targets, self.inv_t, self.chunk, self.kernels)
 
 
-def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tensor | None = None,
-                   temperature: float = 1.0) -> torch.Tensor:
-    """log p(ids[t] | ids[<t]) at `temperature` for a packed sequence, at the positions `need` marks
-    (default: all), as a tensor as long as `ids`; every other position, and position 0 of every row (never
-    an action), gets 0. The model's lm_head must be a LogProbHead. Only the needed positions go through it
-    (`logits_to_keep`): full-vocabulary logits of every context token were ~20% of the step's FLOPs.
-    """
+def packing(pos: torch.Tensor, need: torch.Tensor | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """A packed sequence's row bounds [0, len0, len0+len1, ..., tokens] (int32), its longest row, and the positions
+    t whose log p is wanted: `need` (default: all) but never a row's first (never an action)."""
     starts = torch.nonzero(pos == 0).flatten()
     cu = torch.cat([starts, starts.new_tensor([len(pos)])]).to(torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
     want = pos != 0 if need is None else (need.bool() & (pos != 0))
-    if not want.any():  # a zero-weight filler: keep one position so the graph still reaches every weight
-        want[-1] = True
-    idx = torch.nonzero(want).flatten()  # positions t; their logits come from position t - 1
+    want[-1] |= not want.any()  # a zero-weight filler: keep one position so the graph still reaches every weight
+    return cu, int((cu[1:] - cu[:-1]).max()), torch.nonzero(want).flatten()
+
+
+def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tensor | None = None,
+                   temperature: float = 1.0, packed: tuple | None = None) -> torch.Tensor:
+    """log p(ids[t] | ids[<t]) at `temperature` for a packed sequence, at the positions `need` marks (default: all;
+    `packed`: `packing(pos, need)` worked out ahead), as a tensor as long as `ids` (0 elsewhere). The lm_head must be a
+    LogProbHead; only the needed positions go through it: all logits of every context token were ~20% of the FLOPs.
+    """
+    cu, longest, idx = packing(pos, need) if packed is None else packed  # idx: t; their logits are t - 1's
     head = model.lm_head
     head.targets, head.inv_t = ids[idx], 1.0 / (temperature or 1.0)  # T = 0 (greedy): the raw distribution
     logp = model(input_ids=ids[None], position_ids=pos[None], use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
@@ -481,13 +494,13 @@ class Learner:
     def train_step(self, rows: list[Row], sft: bool = False) -> dict:
         """One update from this rank's rows (`ppo_epochs` optimizer steps when > 1).
 
-        RL: the sampler is the behaviour policy. Row.old_logp holds each action token's sampler
-        log-prob ("behav"); the learner's own log-prob at the start of the step is "prox". Token t's
-        gradient is w_t * A_t * grad log p_t with w_t = min(prox / behav, algo.tis_cap) times the
-        algo.mask_band mask (loss.behaviour_weights): the decoupled objective, plain REINFORCE where
-        sampler and learner agree. With ppo_epochs > 1 the PPO ratio is taken against prox.
-        SFT (`sft=True`, rows with advantage 1 on the action tokens): the log-likelihood of the action
-        tokens, normalised like the RL loss, without behaviour correction (the tokens are an expert's).
+        RL: the sampler is the behaviour policy. Row.old_logp holds each action token's sampler log-prob
+        ("behav"); the learner's own log-prob at the start of the step is "prox". Token t's gradient is
+        w_t * A_t * grad log p_t with w_t = min(prox / behav, algo.tis_cap) times the algo.mask_band mask
+        (loss.behaviour_weights): the decoupled objective, plain REINFORCE where sampler and learner agree.
+        With ppo_epochs > 1 the PPO ratio is taken against prox. SFT (`sft=True`, rows with advantage 1 on the
+        action tokens): the log-likelihood of the action tokens, normalised like the RL loss, without behaviour
+        correction (the tokens are an expert's).
         """
         t0 = time.perf_counter()
         a = self.algo
@@ -502,14 +515,12 @@ class Learner:
         micro += [[Row([0, 0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0])]] * (int(n_mb) - len(micro))  # zero-weight filler
         batches = [_concat(mb, self.device) for mb in micro]
 
-        ref_logps = None
-        if self.ref is not None:
-            with torch.no_grad():
-                ref_logps = [token_logprobs(self.ref, b["ids"], b["pos"], b["mask"] > 0, self.temperature) for b in batches]
-        clip = a.clip_eps if a.ppo_epochs > 1 else None
-        band = tuple(a.mask_band) if a.mask_band else None
+        with torch.no_grad():  # the KL penalty's frozen reference (None: no penalty)
+            ref_logps = None if self.ref is None else [token_logprobs(self.ref, b["ids"], b["pos"], None, self.temperature,
+                                                                      b["packing"]) for b in batches]  # fmt: skip
+        clip, band = a.clip_eps if a.ppo_epochs > 1 else None, tuple(a.mask_band) if a.mask_band else None
         stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "truncated": 0.0, "masked": 0.0}
-        gap = {"tokens": 0.0, "abs_log_ratio_sum": 0.0, "abs_log_ratio_max": 0.0, "k3_sum": 0.0}
+        gap = {k: torch.zeros((), device=self.device) for k in ("tokens", "abs_log_ratio_sum", "abs_log_ratio_max", "k3_sum")}
         for epoch in range(a.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             for i, b in enumerate(batches):
@@ -517,51 +528,47 @@ class Learner:
                     for m in _layers(self.model):  # (on one rank sharding saves nothing: re-gathering is only copies)
                         m.set_reshard_after_forward(i == len(batches) - 1)
                     self.model.set_reshard_after_backward(i == len(batches) - 1)
-                logp = token_logprobs(self.model, b["ids"], b["pos"], b["mask"] > 0, 1.0 if sft else self.temperature)
+                logp = token_logprobs(self.model, b["ids"], b["pos"], None, 1.0 if sft else self.temperature, b["packing"])
                 if epoch == 0:  # prox = the learner at the start of the step; the weights stay fixed for the step
                     b["prox"] = logp.detach()
                     if not sft:
                         w, keep = losses.behaviour_weights(b["prox"], b["old"], a.tis_cap, band)
                         on = b["mask"] > 0
                         if a.tis_cap > 0:
-                            stats["truncated"] += float(((torch.exp(b["prox"] - b["old"]) > a.tis_cap) & on).sum())
-                        stats["masked"] += float(((keep == 0) & on).sum())
+                            stats["truncated"] += ((torch.exp(b["prox"] - b["old"]) > a.tis_cap) & on).sum()
+                        stats["masked"] += ((keep == 0) & on).sum()
                         b["mask"] = b["mask"] * w * keep
                         m = losses.mismatch(b["prox"], b["old"], on.float())
-                        gap = {k: max(gap[k], v) if k.endswith("max") else gap[k] + v for k, v in m.items()}
-                pg = losses.policy_loss(logp, b["prox"], b["adv"], b["mask"], n_global, clip)
-                loss = pg
+                        gap = {k: torch.maximum(gap[k], v) if k.endswith("max") else gap[k] + v for k, v in m.items()}
+                loss = pg = losses.policy_loss(logp, b["prox"], b["adv"], b["mask"], n_global, clip)
                 if ref_logps is not None:
                     kl = (losses.kl_penalty(logp, ref_logps[i], a.kl_estimator) * b["mask"]).sum() / max(n_global, 1.0)
                     loss = loss + a.kl_coef * kl
-                    stats["kl"] += kl.item() if epoch == 0 else 0.0
+                    stats["kl"] += kl.detach() if epoch == 0 else 0.0
                 # FSDP averages gradients over ranks; scaling by world size makes the result the
                 # gradient of (global-batch sum / n_global), independent of how rows are split
                 (loss * self.world).backward()
                 if epoch == 0:
-                    stats["loss"] += loss.item()
-                    stats["pg_loss"] += pg.item()
+                    stats["loss"] += loss.detach()  # (sums on the device: no sync per micro-batch)
+                    stats["pg_loss"] += pg.detach()
                 elif clip is not None:
                     ratio = torch.exp(logp.detach() - b["prox"])
                     outside = ((ratio - 1).abs() > clip).float() * (b["mask"] > 0).float()
-                    stats["clip_frac"] += outside.sum().item() / max(n_global, 1.0) / (a.ppo_epochs - 1)
+                    stats["clip_frac"] += outside.sum() / max(n_global, 1.0) / (a.ppo_epochs - 1)
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            if epoch == 0:
-                stats["grad_norm"] = float(norm)
+            stats.setdefault("grad_norm", norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # epoch 0's
             self.opt.step()
         self.sched.step()
         self.step += 1
         keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum")
         sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))  # each rank holds its share
         (gap_max,) = all_reduce([gap["abs_log_ratio_max"]], self.device, op=dist.ReduceOp.MAX)
-        stats.update({k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")})
+        stats = {k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")} | {"grad_norm": float(stats["grad_norm"])}
         if not sft:  # sampler vs learner on the action tokens (loss.mismatch), and what the correction did
             n = max(sums["tokens"], 1.0)
             stats.update({"mismatch/abs_log_ratio_mean": sums["abs_log_ratio_sum"] / n, "mismatch/abs_log_ratio_max": gap_max,
                           "mismatch/kl_k3": sums["k3_sum"] / n, "tis/truncated_frac": sums["truncated"] / n,
                           "tis/masked_frac": sums["masked"] / n})  # fmt: skip
-        del stats["truncated"], stats["masked"]
         secs = time.perf_counter() - t0
         stats.update(lr=self.sched.get_last_lr()[0], action_tokens=n_global, tokens=n_processed, train_seconds=secs,
                      tokens_per_s=n_processed / max(secs, 1e-9))

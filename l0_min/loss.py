@@ -83,18 +83,16 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: fl
     return weight, keep
 
 
-def mismatch(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """How far the sampler's log-probs are from the learner's on the action tokens (mask > 0): the mean
-    and max |log ratio| and k3 = exp(d) - 1 - d with d = prox - behav, an unbiased estimate of
-    KL(sampler || learner) from the sampler's own tokens. Sums and counts, so ranks can add them.
+def mismatch(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """How far the sampler's log-probs are from the learner's on the action tokens (mask > 0): the mean and max
+    |log ratio| and k3 = exp(d) - 1 - d with d = prox - behav, an unbiased estimate of KL(sampler || learner) from
+    the sampler's own tokens. Sums and counts (0-dim tensors: read once a step), so ranks can add them.
 
     >>> m = mismatch(torch.tensor([-1.0, -1.0, -1.0, 0.0]), torch.tensor([-1.0, -2.0, -0.2, 5.0]), torch.tensor([1.0, 1, 1, 0]))
-    >>> {k: round(v, 6) for k, v in m.items()}
+    >>> {k: round(float(v), 6) for k, v in m.items()}
     {'tokens': 3.0, 'abs_log_ratio_sum': 1.8, 'abs_log_ratio_max': 1.0, 'k3_sum': 0.967611}
     """
     on = mask > 0
-    d = (prox_logp - behav_logp)[on]
-    if d.numel() == 0:
-        return {"tokens": 0.0, "abs_log_ratio_sum": 0.0, "abs_log_ratio_max": 0.0, "k3_sum": 0.0}
-    return {"tokens": float(d.numel()), "abs_log_ratio_sum": float(d.abs().sum()),
-            "abs_log_ratio_max": float(d.abs().max()), "k3_sum": float((torch.exp(d) - 1 - d).sum())}
+    d = torch.where(on, prox_logp - behav_logp, 0.0)
+    return {"tokens": on.sum().to(d.dtype), "abs_log_ratio_sum": d.abs().sum(),
+            "abs_log_ratio_max": d.abs().amax() if d.numel() else d.new_zeros(()), "k3_sum": (torch.exp(d) - 1 - d).sum()}

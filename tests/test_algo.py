@@ -96,3 +96,22 @@ def test_pack_rows_fills_budget_without_padding():
     assert sorted(len(r) for mb in packed for r in mb) == sorted(len(r) for r in rows)
     assert all(sum(len(r) for r in mb) <= 1000 for mb in packed)
     assert len(packed) == 2  # 2000 tokens in two full micro-batches
+
+
+def test_pack_rows_spreads_rows_evenly_over_as_many_micro_batches_as_first_fit_needs():
+    import random
+
+    row = lambda n: Row([0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
+    load = lambda bins: sorted(sum(map(len, mb)) for mb in bins)
+    # 65,536 tokens at 32,768 (issue 27's shape): first fit makes 32,600 + 22,936 + a 10,000 pass; even: ~21.8k each
+    rows = [row(n) for n in (20000, 12600, 12000, 10936, 10000)]
+    assert load(learner.pack_rows(rows, 32768, balance=False)) == [10000, 22936, 32600]
+    assert load(learner.pack_rows(rows, 32768)) == [20000, 22600, 22936]
+    rng = random.Random(0)
+    for trial in range(300):  # any rows (some longer than the budget): as many micro-batches, each row once,
+        budget = rng.choice([64, 100, 512])  # each within the budget (or a row alone)
+        rows = [row(rng.randint(1, budget * 5 // 4)) for _ in range(rng.randint(1, 40))]
+        first_fit, even = learner.pack_rows(rows, budget, balance=False), learner.pack_rows(rows, budget)
+        assert len(even) == len(first_fit), trial
+        assert sorted(map(id, (r for mb in even for r in mb))) == sorted(map(id, rows)), trial
+        assert all(sum(map(len, mb)) <= budget or len(mb) == 1 for mb in even), trial

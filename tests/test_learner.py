@@ -280,6 +280,17 @@ def test_the_mfu_bench_runs_every_row_and_profiles_on_cpu(tmp_path):
     assert "graphs compiled" in out
 
 
+def test_a_step_reads_nothing_back_from_the_device_per_micro_batch(fast_paths):
+    """On a GPU each read of a tensor (.item(), float(), a bool, nonzero, .tolist()) stalls the host until the device
+    has caught up, and the device then waits for the host's next launches. The learner's own reads in one RL step
+    (tests/workers/learner_fast_check.py counts them) are the same with one micro-batch as with many: the step's
+    counts at its start and its sums at its end, none per micro-batch (shapes are worked out on the host)."""
+    (many, reads_many), (one, reads_one) = fast_paths["host_reads"]
+    assert many >= 4 and one == 1, fast_paths["host_reads"]
+    assert reads_many == reads_one, fast_paths["host_reads"]
+    assert reads_one > 0  # the counter sees the step's own reads (its start and end)
+
+
 def test_fused_logprob_head_equals_autograd_of_log_softmax():
     """_LinearLogProb's hand-written backward ((onehot - softmax) * g / T into dh and dW, in chunks) equals
     autograd through log_softmax(h W^T / T): fp32, the same products summed in another order."""

@@ -12,6 +12,7 @@ the real kernel against the eager path on CUDA.
 
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from l0_min.config import Config, resolve  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
-from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
+from l0_min.learner import Learner, close_distributed, init_distributed, pack_rows, shard_rows  # noqa: E402
 from l0_min.models import save_random_llama, tiny_tokenizer  # noqa: E402
 
 
@@ -87,6 +88,37 @@ for name, options in VARIANTS.items():
                     "resharded": all(isinstance(p, DTensor) for p in learner.model.parameters()),  # the next step gathers
                     "graphs": dict(counters["stats"]), "params": sorted(grads)}  # fmt: skip
     del learner
+
+
+def host_reads(budget: int) -> tuple[int, int]:
+    """(micro-batches, calls of the learner's own code that read a tensor back to the host) in one RL step of the
+    GPU path's settings (varlen attention, behaviour weights, a band, the KL reference): on a GPU each is a sync
+    that stalls the host until the device catches up. `_concat` works out shapes from host tensors: not counted."""
+    cfg = Config()
+    cfg.learner.attention, cfg.learner.micro_batch_tokens, cfg.algo.tis_cap, cfg.algo.mask_band = "varlen", budget, 2.0, [0.1, 10.0]
+    cfg.algo.kl_coef = 1e-3
+    learner, count = Learner(path, cfg.learner, cfg.algo, total_steps=2, temperature=0.7), [0]
+    originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "nonzero")}
+
+    def counted(f):
+        def call(*a, **k):
+            frames = [fr for fr, _ in traceback.walk_stack(sys._getframe(1))]
+            own = frames[0].f_code.co_filename.endswith(("l0_min/learner.py", "l0_min/loss.py"))
+            count[0] += own and not any(fr.f_code.co_name == "_concat" for fr in frames)
+            return f(*a, **k)
+        return call
+
+    for name, f in originals.items():
+        setattr(torch.Tensor, name, counted(f))
+    try:
+        learner.train_step(mine)
+    finally:
+        for name, f in originals.items():
+            setattr(torch.Tensor, name, f)
+    return len(pack_rows(mine, budget)), count[0]
+
+
+report["host_reads"] = [host_reads(32), host_reads(512)]  # many micro-batches, then one
 if rank == 0:
     Path(sys.argv[1]).write_text(json.dumps(report))
 dist.barrier()
