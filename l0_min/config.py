@@ -182,6 +182,7 @@ class LearnerConfig:
     grad_clip: float = 1.0
     micro_batch_tokens: int = 4096  # packing budget per micro-batch
     reshard: bool = True  # false: FSDP gathers each layer's weights once a step, not per micro-batch (+1 copy held)
+    fsdp_unit: int = 1  # decoder layers per FSDP unit: one gather, reduce-scatter and set of hooks for k layers
     mixed_precision: bool | None = None  # bf16 compute, fp32 masters and reduce; None: on with CUDA
     # the GPU speed paths (learner.py's apply_*; configs/gpu_example.yaml turns them on; README "GPU learner"):
     attention: str = "auto"  # auto (one varlen kernel call per micro-batch on CUDA in bf16, else rows) | rows | varlen

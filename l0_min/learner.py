@@ -175,8 +175,7 @@ def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
 
 
 def _concat(mb: list[Row], device) -> dict:
-    """A micro-batch's rows as flat tensors (one per row and field, concatenated, one copy to the device) and its
-    `packing`, worked out on the host: the step never waits for the device to learn a shape."""
+    """A micro-batch's rows as flat tensors on the device and its `packing`, worked out on the host (no device sync)."""
     cat = lambda f, dt: torch.cat([torch.as_tensor(f(r), dtype=dt) for r in mb])
     b = {"ids": cat(lambda r: r.ids, torch.long), "pos": cat(lambda r: range(len(r)), torch.long),
          "mask": cat(lambda r: r.mask, torch.float32), "adv": cat(lambda r: r.adv, torch.float32),
@@ -318,8 +317,7 @@ class LogProbHead(torch.nn.Linear):
 
 
 def packing(pos: torch.Tensor, need: torch.Tensor | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
-    """A packed sequence's row bounds [0, len0, len0+len1, ..., tokens] (int32), its longest row, and the positions
-    t whose log p is wanted: `need` (default: all) but never a row's first (never an action)."""
+    """Row bounds [0, len0, ..., tokens] (int32), the longest row, the positions `need` marks (all; never a row's first)."""
     starts = torch.nonzero(pos == 0).flatten()
     cu = torch.cat([starts, starts.new_tensor([len(pos)])]).to(torch.int32)
     want = pos != 0 if need is None else (need.bool() & (pos != 0))
@@ -357,9 +355,6 @@ def _lr_lambda(cfg: LearnerConfig, total_steps: int):
     return f
 
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
 def add_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
     """LoRA adapters (peft) in place on the decoder's linear layers; the base weights stop training.
     Seeded, so rank 0's real model and every rank's meta model agree on names and rank 0's init."""
@@ -367,8 +362,8 @@ def add_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        return inject_adapter_in_model(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=LORA_TARGETS),
-                                       model)
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        return inject_adapter_in_model(LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=targets), model)
 
 
 def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
@@ -440,7 +435,10 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
     apply_activation_checkpointing(model, cfg.activation_checkpointing if train else "none")
     apply_compile(model, cfg.compile)
     mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
-    for m in [*_layers(model), model]:  # every decoder layer, then the root
+    layers, k = list(_layers(model)), cfg.fsdp_unit
+    if k < 1:
+        raise ValueError(f"learner.fsdp_unit: expected >= 1 decoder layers, got {k}")
+    for m in [*(layers[i : i + k] for i in range(0, len(layers), k)), model]:  # k decoder layers a unit, then the root
         fully_shard(m, **mp)
     model.eval()  # dropout off (the checkpointing above is ours, not transformers' training-mode one)
     model.to_empty(device=device)  # then the broadcast lands on the device (a meta model would be loaded on CPU)

@@ -237,20 +237,22 @@ def fast_paths(tmp_path_factory):
     return json.loads((tmp / "report.json").read_text())
 
 
-@pytest.mark.parametrize("variant", ["full", "selective", "gathered", "varlen", "compiled"])
+@pytest.mark.parametrize("variant", ["full", "selective", "gathered", "units", "varlen", "compiled"])
 def test_each_speed_path_gives_the_eager_step_on_2_ranks(fast_paths, variant):
     """One FSDP2 step on 2 gloo ranks with each option = the eager step (one SDPA per row, nothing recomputed,
-    nothing compiled, weights gathered per micro-batch). Recomputation (and gathering once) replays the same fp32 ops (equal up to a BLAS that sums in an order that
+    nothing compiled, weights gathered per layer and micro-batch). Recomputation (and gathering once a step, or
+    several layers at once) replays the same fp32 ops (equal up to a BLAS that sums in an order that
     depends on memory alignment: a few ulps, 1e-6). The varlen path's attention (a dense masked SDPA double on
     CPU) sums the same products in another order: fp32 rounding, ~1e-7 relative per op, grown through 4
     layers and the softmax's exp to < 1e-4 of the largest gradient (measured 2e-5)."""
     eager, got = fast_paths["eager"], fast_paths[variant]
-    tol = 1e-6 if variant in ("full", "selective", "gathered") else 1e-4
+    tol = 1e-6 if variant in ("full", "selective", "gathered", "units") else 1e-4
     assert got["params"] == eager["params"]  # the options rename nothing (checkpoints, export)
     assert got["resharded"]  # learner.reshard false: the weights gathered for the step are freed at its end
     assert got["loss"] == pytest.approx(eager["loss"], rel=tol / 10)
     assert got["grad_norm"] == pytest.approx(eager["grad_norm"], rel=tol / 10)
     assert got["max_grad_diff"] <= tol
+    assert (eager["fsdp_units"], got["fsdp_units"]) == (4, 2 if variant == "units" else 4)  # learner.fsdp_unit: 3 + 1
     if variant == "compiled":  # the 4 layers share one graph (and a new length does not recompile): with the LM
         # head's 2 kernels, 3 graphs, + 2 where a 1-position filler micro-batch specializes the kernels (size 1)
         assert 0 < got["graphs"]["unique_graphs"] <= 5, got["graphs"]
@@ -285,6 +287,7 @@ def test_a_step_reads_nothing_back_from_the_device_per_micro_batch(fast_paths):
     has caught up, and the device then waits for the host's next launches. The learner's own reads in one RL step
     (tests/workers/learner_fast_check.py counts them) are the same with one micro-batch as with many: the step's
     counts at its start and its sums at its end, none per micro-batch (shapes are worked out on the host)."""
+    assert fast_paths["unit_error"] == "learner.fsdp_unit: expected >= 1 decoder layers, got 0"
     (many, reads_many), (one, reads_one) = fast_paths["host_reads"]
     assert many >= 4 and one == 1, fast_paths["host_reads"]
     assert reads_many == reads_one, fast_paths["host_reads"]

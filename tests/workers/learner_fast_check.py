@@ -22,6 +22,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch.nn.attention.varlen  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
+from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from l0_min.config import Config, resolve  # noqa: E402
@@ -66,6 +67,7 @@ VARIANTS = {
     "selective": {"activation_checkpointing": "selective"},
     "varlen": {"attention": "varlen"},
     "gathered": {"reshard": False},  # configs/cpu_*.yaml: the weights gathered once a step, not per micro-batch
+    "units": {"fsdp_unit": 3},  # FSDP units of 3 decoder layers and 1 (the 4 layers' remainder)
     # configs/gpu_example.yaml's fast path, with the varlen double (auto is rows on CPU) and aot_eager: dynamo +
     # AOTAutograd's recompute partition without inductor's C++ build, which takes minutes on CPU (inductor's
     # kernels: bench/gpu_smoke.py on CUDA)
@@ -86,7 +88,8 @@ for name, options in VARIANTS.items():
     diff = max(((grads[n] - eager[n]).abs().max() / eager[n].abs().max()).item() for n in grads)
     report[name] = {"loss": stats["loss"], "grad_norm": stats["grad_norm"], "max_grad_diff": diff,
                     "resharded": all(isinstance(p, DTensor) for p in learner.model.parameters()),  # the next step gathers
-                    "graphs": dict(counters["stats"]), "params": sorted(grads)}  # fmt: skip
+                    "graphs": dict(counters["stats"]), "params": sorted(grads),
+                    "fsdp_units": len({id(fully_shard.state(m)) for m in learner.model.model.layers})}  # fmt: skip
     del learner
 
 
@@ -121,6 +124,12 @@ def host_reads(budget: int) -> tuple[int, int]:
 
 
 report["host_reads"] = [host_reads(32), host_reads(512)]  # many micro-batches, then one
+cfg = Config()
+cfg.learner.fsdp_unit = 0
+try:
+    Learner(path, cfg.learner, cfg.algo)
+except ValueError as e:
+    report["unit_error"] = str(e)
 if rank == 0:
     Path(sys.argv[1]).write_text(json.dumps(report))
 dist.barrier()
