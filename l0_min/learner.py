@@ -5,13 +5,13 @@
     learner.export_hf(folder, dtype="bfloat16")  # every rank (collective); rank 0 writes
     learner.save(ckpt_dir, extra) / learner.load(ckpt_dir)
 
-Each rank runs the same code (SPMD). The model is built on the meta device, `fully_shard` wraps every decoder
-layer, then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard. Micro-batches are
-packed: rows are concatenated into one sequence of at most `micro_batch_tokens` with position ids restarting per
-row, attention stays within each row (`packed_sdpa`, `packed_varlen`): no padding, no dense block-diagonal mask
-(bench/learner.py: it cost 2x at 4k-token micro-batches). A step reads nothing back from the device until its end
-(shapes are worked out on the host, sums stay on the device). The GPU speed paths are `apply_*` functions
-composed in `_build` (torchtitan's style).
+Each rank runs the same code (SPMD). The model is built on the meta device, `fully_shard` wraps the decoder layers
+(`fsdp_unit` at a time), then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard.
+Micro-batches are packed: rows are concatenated into one sequence of at most `micro_batch_tokens` with position ids
+restarting per row, attention stays within each row (`packed_sdpa`, `packed_varlen`): no padding, no dense mask
+(bench/learner.py: it cost 2x at 4k-token micro-batches). On the varlen path a step reads nothing back from the
+device until its end (shapes are worked out on the host, sums stay on the device; `packed_sdpa` reads each layer's
+row bounds). The GPU speed paths are `apply_*` functions composed in `_build` (torchtitan's style).
 
 Log-probs are those of the distribution the sampler drew from: log_softmax(logits / T) at the sampling
 temperature T (SGLang's default; top-p / top-k truncation is not modelled). The LM head computes them in chunks
