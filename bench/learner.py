@@ -407,7 +407,8 @@ def profile_step(tag: str, learner, rows: list[Row]) -> dict:
                  and e.name.startswith(("aten::", "c10d::")) and e.self_cpu_time_total > 0]  # fmt: skip
     by_kind, by_name = {}, {}
     for a, b, name in spans:
-        by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + (b - a)
+        k = kind_of(name)
+        by_kind[k] = by_kind.get(k, 0.0) + (b - a)
         n, t = by_name.get(name, (0, 0.0))
         by_name[name] = (n + 1, t + b - a)
     total, busy, end = sum(by_kind.values()) or 1.0, 0.0, -math.inf
@@ -451,7 +452,7 @@ def measure(tag, folder, c, config, rows, budget, matmul, todays: bool) -> dict:
         f"{time.perf_counter() - t0:.1f} s; {left:.1f} GiB were still allocated before)")  # fmt: skip
     b = _concat(pack_rows(rows, budget)[0], device)
     t0 = time.perf_counter()
-    lp = token_logprobs(learner.model, b["ids"], b["pos"], b["mask"] > 0)
+    lp = token_logprobs(learner.model, b["ids"], b["pos"], packed=b["packing"])  # the action tokens (_concat's)
     (lp.sum() * 0).backward()
     lp = lp.detach().float().cpu()[b["mask"].cpu() > 0]
     sync()

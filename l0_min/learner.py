@@ -140,7 +140,7 @@ def pack_rows(rows: list[Row], budget: int, balance: bool = True) -> list[list[R
     [[12], [6, 2, 1], [5, 3]]
     """
     bins, load = [], []  # first fit decreasing: how many micro-batches
-    for row in sorted(rows, key=len, reverse=True):
+    for row in (order := sorted(rows, key=len, reverse=True)):
         i = next((i for i, n in enumerate(load) if n + len(row) <= budget), len(bins))
         if i == len(bins):
             bins.append([])
@@ -148,7 +148,7 @@ def pack_rows(rows: list[Row], budget: int, balance: bool = True) -> list[list[R
         bins[i].append(row)
         load[i] += len(row)
     even, level = [[] for _ in bins], [0] * len(bins)
-    for row in sorted(rows, key=len, reverse=True) if balance else ():  # as many, filled evenly
+    for row in order if balance else ():  # as many, filled evenly
         fits = [i for i, n in enumerate(level) if n + len(row) <= budget or n == 0]
         if not fits:  # no room in the even fill: first fit's packing stands
             return bins
