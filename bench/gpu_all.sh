@@ -11,6 +11,6 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_all}; mkdir -p "$OUT"
 nvidia-smi -L; python3 -c "import torch, transformers; print('machine: torch', torch.__version__, 'transformers', transformers.__version__)"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/tf457 .whl/*.whl || echo "no .whl: the machine's transformers"
-BENCH_S=$([ "${DIAG:-0}" != 0 ] && echo 480 || echo 345) SMOKE_S=140 PYTHONPATH=/tmp/tf457 PYTHON=python3 \
+BENCH_S=${BENCH_S:-$([ "${DIAG:-0}" != 0 ] && echo 480 || echo 345)} SMOKE_S=140 PYTHONPATH=/tmp/tf457 PYTHON=python3 \
   bash bench/gpu_learner.sh "$@" 2>&1 | tee "$OUT/learner.log"
 [ "${DIAG:-0}" != 0 ] || CHECKS="learner cuda-line" TOTAL=100 PY=python3 bash bench/gpu_path.sh 2>&1 | tee "$OUT/path.log"

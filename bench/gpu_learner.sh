@@ -6,18 +6,20 @@
 # Arguments go to the bench (e.g. --shapes 3b, --after learner.compile=none).
 #   PYTHON=.venv/bin/python bash bench/gpu_learner.sh
 #   SMOKE=0 bash bench/gpu_learner.sh            # the bench only
-#   DIAG=1 bash bench/gpu_learner.sh             # where the after rows' time goes (~8 min): no before rows (the
-#     README has them); per shape (0.5B, 3B, then 1.5B if time is left) the after row, one with FSDP units of 4
-#     layers, one with learner.reshard=false, each step profiled (the device's time by kind of kernel, its idle
-#     share, the host's waits, the longest kernels, torch.compile's graph breaks); no gpu_smoke
+#   DIAG=1 bash bench/gpu_learner.sh             # where the after rows' time goes (~6 min on an H200): no before
+#     rows (the README has them); the after row at 3B, 1.5B and 0.5B, then each with K/V heads repeated (the
+#     kernel before issue 35), learner.reshard=false at 0.5B and 3B, one 65,536-token micro-batch at 0.5B (the
+#     per-pass fixed costs), each step profiled (the device's time by kind of kernel, its idle share, the host's
+#     waits, the longest kernels, torch.compile's graph breaks); each row's line as soon as it ends; no gpu_smoke
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 $PY -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
 if [ "${DIAG:-0}" != 0 ]; then
-  timeout ${BENCH_S:-500} $PY bench/learner.py --mfu --no-before --profile --budget-s 400 --shapes 0.5b,3b,1.5b \
-    --variant units4 learner.fsdp_unit=4 --variant gathered learner.reshard=false "$@"
+  timeout ${BENCH_S:-500} $PY bench/learner.py --mfu --no-before --profile --budget-s ${BUDGET_S:-400} \
+    --shapes 3b,1.5b,0.5b --variant repkv kernel=torch_varlen_repeat_kv --variant gathered@0.5b,3b learner.reshard=false \
+    --variant mb64k@0.5b learner.micro_batch_tokens=65536 "$@"
 else
   timeout ${BENCH_S:-390} $PY bench/learner.py --mfu "$@"
 fi

@@ -14,10 +14,13 @@ and "after" (configs/gpu_example.yaml's learner section, plus --after overrides)
 warm-up step, two timed steps. MFU = useful FLOPs (`step_flops`) / step time / 989 TFLOP/s (H100 SXM bf16),
 also against a bf16 8192^3 matmul timed in the same run; peak = torch.cuda.max_memory_allocated from the
 build on. The before and after log-probs of micro-batch 0 (same weights) must agree to bf16 noise.
---variant NAME OVERRIDE... adds a row (the after row's settings plus overrides), --no-before drops the before rows,
---profile profiles one more step of each row but before: the device's time by kind of kernel, its idle share
-within the step, the longest kernels, torch.compile's graph breaks (on CPU: the ops' self time). On CPU the after
-row runs gpu_example.yaml's learner with device cpu and compile aot_eager (inductor's C++ build takes minutes).
+--variant NAME[@SHAPES] OVERRIDE... adds a row (the after row's settings plus overrides; kernel=LABEL: that
+varlen kernel of learner.VARLEN_KERNELS alone), --no-before drops the before rows, --profile profiles one more
+step of each row but before: the device's time by kind of kernel, its idle share within the step, the longest
+kernels, torch.compile's graph breaks (on CPU: the ops' self time). Rows run each shape's before and after first,
+then the variants, and each prints its line (the after row its RESULT) as it ends: a time limit loses only the
+rows it cut. On CPU the after row runs gpu_example.yaml's learner with device cpu and compile aot_eager
+(inductor's C++ build takes minutes), and every variant runs at the tiny shape.
 
 Workload: a realistic agent batch. Row lengths are log-normal (median ~500, clipped to 100..1500
 tokens); each row is a prompt followed by alternating action spans (masked in, ~30% of the tokens,
@@ -57,6 +60,7 @@ import time
 T_START = time.perf_counter()  # the quick run's 60 s include the imports
 
 import argparse
+import dataclasses
 import gc
 import math
 import random
@@ -73,8 +77,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min.config import Config, resolve
 from l0_min.episode import Row
-from l0_min.learner import (Learner, LogProbHead, _concat, close_distributed, init_distributed, pack_rows, shard_rows,
-                            token_logprobs)
+import l0_min.learner as learner_module
+from l0_min.learner import (VARLEN_KERNELS, Learner, LogProbHead, _concat, close_distributed, init_distributed, memory_estimate, pack_rows,
+                            shard_rows, token_logprobs)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--quick", action="store_true")
@@ -93,7 +98,7 @@ ap.add_argument("--after", nargs="*", default=[], help="--mfu: overrides of the 
 ap.add_argument("--budget-s", type=float, default=270.0, help="--mfu: start no new row after this many seconds")
 ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "OVERRIDE"),
                 help="--mfu: one more row, the after row's settings plus overrides (repeatable), e.g. --variant "
-                     "gathered learner.reshard=false")  # fmt: skip
+                     "gathered learner.reshard=false; NAME@3b,0.5b: at those shapes only")  # fmt: skip
 ap.add_argument("--no-before", action="store_true", help="--mfu: skip the before rows (the README has their numbers)")
 ap.add_argument("--profile", action="store_true", help="--mfu: one more step of each row but before, profiled: "
                 "where the device's time goes, by kind of kernel, and how much of the step it is idle")
@@ -469,8 +474,12 @@ def measure(tag, folder, c, config, rows, budget, matmul, todays: bool) -> dict:
         secs.append(time.perf_counter() - t0)
     step, flops = statistics.mean(secs), step_flops(config, n_params, rows)
     mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else float("nan")
+    longest = max(sum(map(len, mb)) for mb in pack_rows(rows, c.micro_batch_tokens))  # the estimate at this micro-batch
+    mixed = cuda if c.mixed_precision is None else c.mixed_precision
+    est = memory_estimate(config, n_params, n_params, dataclasses.replace(c, micro_batch_tokens=longest), 1, mixed, False)
     log(f"[{time.perf_counter() - T_START:6.1f} s] {tag}: steps {' '.join(f'{x:.2f}' for x in secs)} s, "
-        f"{total / step:,.0f} tokens/s, MFU {flops / step / PEAK:.1%}, peak {mem:.1f} GiB")
+        f"{total / step:,.0f} tokens/s, MFU {flops / step / PEAK:.1%}, peak {mem:.1f} GiB (estimated "
+        f"{sum(est.values()):.1f} at {longest} tokens: " + ", ".join(f"{k} {x:.2f}" for k, x in est.items() if x) + ")")
     prof = profile_step(tag, learner, rows) if args.profile and not todays else None
     return dict(prof=prof, tok_s=total / step, mfu=flops / step / PEAK, of_matmul=flops / step / matmul, mem=mem, step=step,
                 loss=first["loss"], grad_norm=first["grad_norm"], lp=lp)  # fmt: skip
@@ -502,73 +511,102 @@ def mfu() -> None:
     # gpu_example.yaml's learner section (+ --after); each --variant: the after row's settings + its overrides
     variants = {} if args.no_before else {"before": replace(base, attention="rows", activation_checkpointing="full",
                                                             compile="none")}  # fmt: skip
+    only, kernel = {}, {}  # a variant NAME@s1,s2 runs at those shapes only; kernel=LABEL: that varlen kernel alone
     for name, overrides in [("after", []), *((v[0], v[1:]) for v in args.variant)]:  # (resolve sets its base's fields)
+        name, _, at = name.partition("@")
+        kernel[name] = next((o.split("=", 1)[1] for o in overrides if o.startswith("kernel=")), None)
+        overrides = [o for o in overrides if not o.startswith("kernel=")]
+        if kernel[name] not in (None, *VARLEN_KERNELS):
+            raise SystemExit(f"--variant {name}: kernel={kernel[name]}: expected one of {', '.join(VARLEN_KERNELS)}")
+        only[name] = set(at.split(",")) if at else set(QWEN)
+        if only[name] - set(QWEN):
+            raise SystemExit(f"--variant {name}@{at}: no shape {', '.join(sorted(only[name] - set(QWEN)))} ({', '.join(QWEN)})")
         variants[name] = resolve(args.after + overrides, base=Config(learner=replace(gpu))).learner
+    # the order rows run in, the most informative first (a time limit cuts the last): each shape's before and
+    # after rows (its RESULT line), in --shapes order, then each variant at its shapes (on CPU: at the tiny one)
+    plan = [(s, n) for s in shapes for n in ("before", "after") if n in variants]
+    plan += [(s, n) for n in variants if n not in ("before", "after") for s in shapes if s in only[n] or not cuda]
     actions = sum(1 for r in rows for m in r.mask if m > 0)
     log(f"batch: {len(rows)} rows, {total} tokens (median row {sorted(map(len, rows))[len(rows) // 2]}, "
         f"{min(map(len, rows))}-{max(map(len, rows))}), action tokens {actions / total:.1%}, "
         f"{len(pack_rows(rows, budget))} micro-batches of <= {budget}; device {device}")  # fmt: skip
     for name, c in variants.items():
-        log(f"{name}: attention={c.attention} activation_checkpointing={c.activation_checkpointing} compile={c.compile} "
-            f"reshard={c.reshard} micro_batch_tokens={c.micro_batch_tokens} mixed_precision={c.mixed_precision}"
-            f"{' + the autograd LM head, foreach AdamW' if name == 'before' else ''}")  # fmt: skip
+        log(f"{name}: attention={c.attention}{f' ({kernel[name]})' if kernel.get(name) else ''} activation_checkpointing={c.activation_checkpointing} compile={c.compile} "
+            f"reshard={c.reshard} fsdp_unit={c.fsdp_unit} micro_batch_tokens={c.micro_batch_tokens} mixed_precision="
+            f"{c.mixed_precision}{' + the autograd LM head, foreach AdamW' if name == 'before' else ''}")  # fmt: skip
+    log("rows, in order: " + ", ".join(f"{s} {n}" for s, n in plan))
     matmul = matmul_flops_per_s(8192 if cuda else 512)
     log(f"[{time.perf_counter() - T_START:6.1f} s] bf16 matmul {'8192' if cuda else '512'}^3: {matmul / 1e12:.1f} TFLOP/s")
-    tmp, table = Path(tempfile.mkdtemp(prefix="l0min-bench-mfu-")), []
-    for shape, (hidden, inter, layers, heads, kv, target) in shapes.items():
+    tmp, res = Path(tempfile.mkdtemp(prefix="l0min-bench-mfu-")), {s: {} for s in shapes}
+    w = max(7, *map(len, variants))
+    header = (f"{'shape':<6} {'path':<{w}} {'tokens/s':>9} {'MFU (989)':>9} {'of matmul':>9} {'peak GiB':>8} {'step s':>7} "
+              f"{'step-1 loss':>12} {'grad norm':>10} {'device idle':>11}")  # fmt: skip
+    for shape, name in plan:
+        hidden, inter, layers, heads, kv, target = shapes[shape]
+        folder = tmp / shape
         config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                              num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
                              max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)  # fmt: skip
-        folder = tmp / shape
-        config.save_pretrained(folder)
-        make_toy_tokenizer().save_pretrained(folder)  # the learner's tokenizer; the rows are ids already
-
-        res = {}
-        for name, c in variants.items():
-            if time.perf_counter() - T_START > args.budget_s:
-                log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: skipped (--budget-s {args.budget_s:.0f})")
-                continue
+        if not folder.exists():
+            config.save_pretrained(folder)
+            make_toy_tokenizer().save_pretrained(folder)  # the learner's tokenizer; the rows are ids already
+        if time.perf_counter() - T_START > args.budget_s:
+            log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: skipped (--budget-s {args.budget_s:.0f})")
+        else:
+            if kernel.get(name):  # this row's build sees that kernel alone
+                learner_module.VARLEN_KERNELS = {kernel[name]: VARLEN_KERNELS[kernel[name]]}
             try:  # a row that fails (out of memory, a compile error) is reported; the others still run
-                res[name] = measure(f"{shape} {name}", folder, c, config, rows, budget, matmul, todays=name == "before")
+                res[shape][name] = measure(f"{shape} {name}", folder, variants[name], config, rows, budget, matmul,
+                                           todays=name == "before")  # fmt: skip
             except Exception as e:  # noqa: BLE001
                 log(f"[{time.perf_counter() - T_START:6.1f} s] {shape} {name}: FAILED {type(e).__name__}: {str(e)[:2000]}")
+            learner_module.VARLEN_KERNELS = VARLEN_KERNELS
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-        table.append((shape, target, res))
+        report_row(shape, name, res[shape], target, header, cuda)  # now: a time limit loses no finished row
     shutil.rmtree(tmp, ignore_errors=True)
-
-    w = max(7, *map(len, variants))
-    print(f"\n{'shape':<6} {'path':<{w}} {'tokens/s':>9} {'MFU (989)':>9} {'of matmul':>9} {'peak GiB':>8} {'step s':>7} "
-          f"{'step-1 loss':>12} {'grad norm':>10} {'device idle':>11}")  # fmt: skip
-    for shape, _, res in table:
-        for name, r in res.items():
-            idle = f"{1 - r['prof']['busy'] / r['prof']['wall']:.0%}" if r["prof"] and cuda else "-"
-            print(f"{shape:<6} {name:<{w}} {r['tok_s']:>9,.0f} {r['mfu']:>9.1%} {r['of_matmul']:>9.1%} {r['mem']:>8.1f} "
-                  f"{r['step']:>7.2f} {r['loss']:>12.5g} {r['grad_norm']:>10.4g} {idle:>11}")  # fmt: skip
-        ref = next((k for k in ("before", "after") if k in res), None)  # the others' log-probs against it
-        for name in [k for k in res if ref and k != ref]:
-            d, spread = (res[name]["lp"] - res[ref]["lp"]).abs(), res[ref]["lp"].std().item()
-            ok = d.mean().item() <= 0.05 * spread
-            print(f"{shape:<6} {name}/{ref} {res[name]['tok_s'] / res[ref]['tok_s']:.2f}x tokens/s; log-probs "
-                  f"|{name} - {ref}| mean {d.mean():.2e}, max {d.max():.2e} over {len(d)} action tokens (their spread "
-                  f"{spread:.2e}; bf16 noise ~2% of it, a broken path ~100%): {'PASS' if ok else 'FAIL'}")  # fmt: skip
-    if any(r["prof"] for _, _, res in table for r in res.values()):
+    if any(r["prof"] for rs in res.values() for r in rs.values()):
         from torch._dynamo.utils import counters
 
         breaks = sum(counters["graph_break"].values())
         print(f"torch.compile: {counters['stats'].get('unique_graphs', 0)} graphs compiled, {breaks} graph breaks"
               + "".join(f"\n  graph break x{n}: {' '.join(why.split())[:200]}" for why, n in counters["graph_break"].most_common(5)))
     print(f"\ntotal {time.perf_counter() - T_START:.1f} s; bf16 matmul {matmul / 1e12:.1f} TFLOP/s")
-    for shape, target, res in table:
-        if target is None:
-            print("(CPU: the tiny shape only proves the bench runs; the MFU targets are for one H100)")
-        elif "after" not in res:
-            print(f"RESULT learner_mfu_{shape}=nan target >= {target} SHORT (not measured: failed, or --budget-s)")
-        else:
-            m = res["after"]["mfu"]
-            print(f"RESULT learner_mfu_{shape}={m:.3f} target >= {target} {'MET' if m >= target else 'SHORT'}")
     close_distributed()
+
+
+HEADER_SHOWN = []
+
+
+def report_row(shape: str, name: str, res: dict, target, header: str, cuda: bool) -> None:
+    """A row's table line, its log-probs against the shape's reference row (before, else after), and for the after
+    row the shape's RESULT line, printed as soon as the row ends."""
+    if not HEADER_SHOWN:
+        print("\n" + header, flush=True)
+        HEADER_SHOWN.append(True)
+    w = header.index("tokens/s") - 8
+    if (r := res.get(name)) is not None:
+        idle = f"{1 - r['prof']['busy'] / r['prof']['wall']:.0%}" if r["prof"] and cuda else "-"
+        print(f"{shape:<6} {name:<{w}} {r['tok_s']:>9,.0f} {r['mfu']:>9.1%} {r['of_matmul']:>9.1%} {r['mem']:>8.1f} "
+              f"{r['step']:>7.2f} {r['loss']:>12.5g} {r['grad_norm']:>10.4g} {idle:>11}")  # fmt: skip
+        ref = next((k for k in ("before", "after") if k in res), None)  # the others' log-probs against it
+        if ref and ref != name:
+            d, spread = (r["lp"] - res[ref]["lp"]).abs(), res[ref]["lp"].std().item()
+            ok = d.mean().item() <= 0.05 * spread
+            print(f"{shape:<6} {name}/{ref} {r['tok_s'] / res[ref]['tok_s']:.2f}x tokens/s; log-probs "
+                  f"|{name} - {ref}| mean {d.mean():.2e}, max {d.max():.2e} over {len(d)} action tokens (their spread "
+                  f"{spread:.2e}; bf16 noise ~2% of it, a broken path ~100%): {'PASS' if ok else 'FAIL'}")  # fmt: skip
+    if name != "after":
+        return sys.stdout.flush()
+    if target is None:
+        m = f"{r['mfu']:.4f}" if r else "nan"
+        print(f"RESULT learner_mfu_{shape}={m} (CPU: the tiny shape only proves the bench runs; the targets are for one H100)")
+    elif r is None:
+        print(f"RESULT learner_mfu_{shape}=nan target >= {target} SHORT (not measured: failed, or --budget-s)")
+    else:
+        print(f"RESULT learner_mfu_{shape}={r['mfu']:.3f} target >= {target} {'MET' if r['mfu'] >= target else 'SHORT'}")
+    sys.stdout.flush()
 
 
 mfu() if args.mfu else main()

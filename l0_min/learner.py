@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
@@ -73,8 +74,6 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, 
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
             kw |= {"store": dist.HashStore(), "rank": 0, "world_size": 1}
         dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60), **kw)
-        if cuda:
-            check_gpu_free(device)
     return dist.get_rank(), dist.get_world_size(), device
 
 
@@ -113,13 +112,38 @@ def cuda_missing() -> str:
                    f"DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')} and the container's --gpus")
 
 
-def check_gpu_free(device: torch.device, min_free: float = 0.5) -> None:
-    """Stop with one line if another process (an inference server) already holds this GPU."""
-    free, total = torch.cuda.mem_get_info(device)
-    if free < min_free * total:
-        raise RuntimeError(f"GPU {device.index} already has {(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in "
-                           "use (an inference server?); give the learner its own GPUs, e.g. CUDA_VISIBLE_DEVICES=0,1,2,3 "
-                           "torchrun ... and the servers CUDA_VISIBLE_DEVICES=4,5,6,7")
+def memory_estimate(config, n_params: int, n_train: int, cfg: LearnerConfig, world: int, mixed: bool, ref: bool) -> dict:
+    """GiB per rank at its peak, by part: fp32 masters, their gradients and AdamW's two moments (4 + 4 + 8 B per
+    trained parameter) and the KL reference in the compute dtype (a B), sharded over the ranks; the gathered compute
+    copies (the root and two units in flight; all of them with reshard=false); one micro-batch of t tokens: what
+    checkpointing keeps of each layer (its input under full), then the larger of one layer's recompute and backward
+    ((8 h + 5 i) a per token) and the LM head's chunk (its logits, their fp32 softmax and gradient: (a + 9) B per
+    vocabulary entry), with the head's fp32 dW and dh. Within -0.02..+0.65 GiB of the 10 peaks measured (README)."""
+    h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    a, t, v, kv = 2 if mixed else 4, cfg.micro_batch_tokens, config.vocab_size, config.num_key_value_heads
+    kv *= getattr(config, "head_dim", None) or h // config.num_attention_heads
+    root = v * h * (1 if config.tie_word_embeddings else 2)
+    layer, head = (8 * h + 5 * i) * a * t, LogProbHead.chunk * v * (a + 9)
+    kept = {"none": n * layer, "full": n * h * a * t, "selective": n * (4 * h + 2 * kv + 2 * i) * a * t}
+    ac = {True: "full", False: "none"}.get(cfg.activation_checkpointing, cfg.activation_checkpointing)
+    gathered = (root + 2 * cfg.fsdp_unit * (n_params - root) / n) * a if cfg.reshard else n_params * a
+    parts = {"weights": 4 * n_params / world, "grads": 4 * n_train / world, "AdamW": 8 * n_train / world,
+             "reference": a * n_params / world * ref, "gathered": gathered,
+             "activations": kept.get(ac, 0) + max(layer, head) + v * h * 4 + t * h * 4}  # fmt: skip
+    return {k: x / 2**30 for k, x in parts.items()}
+
+
+def check_memory(parts: dict, device: torch.device, tokens: int) -> None:
+    """Say what the learner needs against what is free on its GPU; stop with one line where it cannot fit."""
+    free, total = (x / 2**30 for x in torch.cuda.mem_get_info(device))
+    need = sum(parts.values())
+    line = (f"~{need:.1f} GiB on GPU {device.index} (" + ", ".join(f"{k} {x:.1f}" for k, x in parts.items() if x)
+            + f", per micro-batch of {tokens} tokens) of {free:.1f} free of {total:.1f}")  # fmt: skip
+    if need > free:
+        raise RuntimeError(f"the learner needs {line}: {total - free:.1f} GiB are in use (an inference server?); give it "
+                           "its own GPUs (CUDA_VISIBLE_DEVICES), more ranks, or lower learner.micro_batch_tokens")
+    if dist.get_rank() == 0:
+        print(f"learner: memory {line}", file=sys.stderr, flush=True)
 
 
 def all_reduce(values: list, device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
@@ -208,39 +232,91 @@ def packed_varlen(module, query, key, value, attention_mask, dropout=0.0, scalin
     return kernel(q, k, v, cu_seq_lens_q, max_length_q, scaling)[None], None
 
 
-def varlen_kernel():
-    """flash-attn's `flash_attn_varlen_func` where installed, else torch's `varlen_attn` (CUDA; None if neither).
-    torch's is causal with `window_size=(-1, 0)`; without `enable_gqa` (torch 2.11) the shared K/V heads are
-    repeated, as transformers' own `repeat_kv` does."""
-    if importlib.util.find_spec("flash_attn") is not None:
-        from flash_attn import flash_attn_varlen_func
-
-        return lambda q, k, v, cu, n, scale: flash_attn_varlen_func(q, k, v, cu, cu, n, n, softmax_scale=scale, causal=True)
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        return None
-    from torch.nn.attention.varlen import varlen_attn
-
-    gqa = "enable_gqa" in inspect.signature(varlen_attn).parameters
-    kw = {"window_size": (-1, 0), "enable_gqa": True} if gqa else {"window_size": (-1, 0)}
+def _flash_varlen(module: str):
+    """`module`'s flash_attn_varlen_func (flash_attn: flash-attn 2; flash_attn_interface: 3; flash_attn.cute: 4, whose
+    wheel SGLang installs and which leaves `flash_attn` an empty namespace package); 3 and 4 may return (out, lse)."""
+    fn = importlib.import_module(module).flash_attn_varlen_func
 
     def run(q, k, v, cu, n, scale):
-        if not gqa and k.shape[1] != q.shape[1]:
-            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        return varlen_attn(q, k, v, cu, cu, n, n, scale=scale, **kw)
+        out = fn(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n, softmax_scale=scale, causal=True)
+        return out[0] if isinstance(out, tuple) else out
 
     return run
 
 
-def _attention(choice: str, cuda: bool, bf16: bool) -> str:
-    """learner.attention -> the registered implementation: auto = one varlen call per micro-batch on CUDA in
-    bf16 where a varlen kernel exists, else one SDPA per row."""
+def _torch_varlen(repeat: bool):
+    """torch's `varlen_attn`, causal as `window_size=(-1, 0)`. Its flash kernel shares K/V heads itself (GQA: torch
+    2.13 asks for `enable_gqa`, 2.11 has no such argument); where it does not (`repeat`), the shared heads are
+    repeated first, as transformers' own `repeat_kv` does."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    kw = {"enable_gqa": True} if not repeat and "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+
+    def run(q, k, v, cu, n, scale):
+        if repeat and k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+        return varlen_attn(q, k, v, cu, cu, n, n, scale=scale, window_size=(-1, 0), **kw)
+
+    return run
+
+
+# (module, how to load its kernel) in order of preference; flash-attn 4 last: its CuTe kernels compile at the first
+# use of each configuration
+VARLEN_KERNELS = {"flash_attn": ("flash_attn", lambda: _flash_varlen("flash_attn")),
+                  "flash_attn_interface": ("flash_attn_interface", lambda: _flash_varlen("flash_attn_interface")),
+                  "torch_varlen": ("torch.nn.attention.varlen", lambda: _torch_varlen(repeat=False)),
+                  "torch_varlen_repeat_kv": ("torch.nn.attention.varlen", lambda: _torch_varlen(repeat=True)),
+                  "flash_attn_cute": ("flash_attn.cute", lambda: _flash_varlen("flash_attn.cute"))}
+
+
+def _probe_varlen(kernel, device: torch.device, dtype: torch.dtype) -> None:
+    """Raise unless `kernel` runs forward and backward on `device` in `dtype` and gives one causal SDPA per row:
+    two rows (3 and 5 tokens), 4 query heads sharing 2 K/V heads, head_dim 64."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(8, h, 64, generator=g).to(device, dtype).requires_grad_() for h in (4, 2, 2))
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32, device=device)
+    out = kernel(q, k, v, cu, 5, 0.125)
+    out.float().square().sum().backward()
+    want = torch.cat([F.scaled_dot_product_attention(*(x[a:b].detach().float().transpose(0, 1) for x in (q, k, v)),
+                                                     is_causal=True, scale=0.125, enable_gqa=True).transpose(0, 1)
+                      for a, b in ((0, 3), (3, 8))])  # fmt: skip
+    err = (out.detach().float() - want).abs().max().item()  # values ~1: bf16 rounding ~0.01, a wrong mask ~0.3
+    if not err <= 0.05 or q.grad is None or not torch.isfinite(q.grad).all():
+        raise ValueError(f"wrong output: max |difference| to one SDPA per row {err:.3g}")
+
+
+def varlen_kernel(device: torch.device, dtype: torch.dtype) -> tuple:
+    """(kernel, its name) of the first of VARLEN_KERNELS that imports, runs on `device` in `dtype` and is right, or
+    (None, None); and why each installed one before it was passed over, in one line."""
+    skipped = []
+    for name, (module, load) in VARLEN_KERNELS.items():
+        try:
+            if importlib.util.find_spec(module) is None:
+                continue
+            kernel = load()
+            _probe_varlen(kernel, device, dtype)
+            return kernel, name, "; ".join(skipped)
+        except Exception as e:  # noqa: BLE001 -- an import, a missing device kernel, a wrong answer: the next one
+            skipped.append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+    return None, None, "; ".join(skipped)
+
+
+def _attention(choice: str, device: torch.device, dtype: torch.dtype) -> str:
+    """learner.attention -> the registered implementation: auto = one varlen call per micro-batch on CUDA in bf16
+    where a varlen kernel runs, else one SDPA per row; varlen = the same, refused at start-up where none runs."""
     from transformers import AttentionInterface
 
     if choice not in ("auto", "rows", "varlen"):
         raise ValueError(f"learner.attention: unknown {choice!r} (auto | rows | varlen)")
-    kernel = varlen_kernel() if choice == "varlen" or (choice == "auto" and cuda and bf16) else None
-    if choice == "varlen" and kernel is None:
-        raise ValueError("learner.attention=varlen: no varlen kernel (flash-attn, or torch.nn.attention.varlen)")
+    kernel = None
+    if choice == "varlen" or (choice == "auto" and device.type == "cuda" and dtype == torch.bfloat16):
+        kernel, name, why = varlen_kernel(device, dtype)
+        if choice == "varlen" and kernel is None:
+            raise ValueError(f"learner.attention=varlen: no varlen kernel runs on {device.type} in {str(dtype)[6:]} "
+                             f"({why or 'none installed'}); use auto or rows (varlen needs CUDA and learner.mixed_precision)")  # fmt: skip
+        if not dist.is_initialized() or dist.get_rank() == 0:  # which, and why any installed before it was not
+            print(f"learner: attention {name or 'one SDPA per row'}" + (f"; passed over {why}" if why else ""),
+                  file=sys.stderr, flush=True)
     AttentionInterface.register(PACKED_ATTENTION, torch.compiler.disable(packed_sdpa))  # compiled layers: run as is
     if kernel is not None:  # (registrations are global: never replace a working one with none)
         AttentionInterface.register(VARLEN_ATTENTION, functools.partial(packed_varlen, kernel=kernel))
@@ -434,12 +510,17 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
         add_lora(model, cfg)
     apply_activation_checkpointing(model, cfg.activation_checkpointing if train else "none")
     apply_compile(model, cfg.compile)
-    mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    if mixed and not train:  # the frozen reference is kept in the compute dtype: what every gather cast it to anyway
+        for x in model.parameters():
+            x.data = x.data.to(torch.bfloat16)
+    kw = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}  # the learner's device, not the host's GPU
+    if mixed:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     layers, k = list(_layers(model)), cfg.fsdp_unit
     if k < 1:
         raise ValueError(f"learner.fsdp_unit: expected >= 1 decoder layers, got {k}")
     for m in [*(layers[i : i + k] for i in range(0, len(layers), k)), model]:  # k decoder layers a unit, then the root
-        fully_shard(m, **mp)
+        fully_shard(m, **kw)
     model.eval()  # dropout off (the checkpointing above is ours, not transformers' training-mode one)
     model.to_empty(device=device)  # then the broadcast lands on the device (a meta model would be loaded on CPU)
     # a copy: set_model_state_dict puts the sharded tensors into the dict it is given (the KL reference's
@@ -467,14 +548,23 @@ class Learner:
         cuda = self.device.type == "cuda"
         mixed = cuda if cfg.mixed_precision is None else cfg.mixed_precision
         # rank 0 alone reads the checkpoint (one host copy instead of one per rank) and broadcasts it
-        full_sd, buffers = {}, [None]
+        full_sd, shared = {}, [None]
         if self.rank == 0:
             cpu = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if weights is None else weights
             cpu = add_lora(cpu, cfg) if cfg.lora_rank > 0 else cpu  # the adapters' init travels with the weights
-            full_sd, buffers = cpu.state_dict(), [dict(cpu.named_buffers())]
-        dist.broadcast_object_list(buffers, src=0)
-        args = (AutoConfig.from_pretrained(self.model_path), _attention(cfg.attention, cuda, mixed),
-                cfg, mixed, self.device, full_sd, buffers[0])
+            full_sd = cpu.state_dict()
+            n = {"lora_": 0, "": 0}  # parameters: the adapters', the base model's
+            for name, x in cpu.named_parameters():
+                n["lora_" if "lora_" in name else ""] += x.numel()
+            shared = [(dict(cpu.named_buffers()), n[""], n["lora_"] or n[""])]
+        dist.broadcast_object_list(shared, src=0)
+        buffers, n_params, n_train = shared[0]
+        config = AutoConfig.from_pretrained(self.model_path)
+        if cuda:  # what it needs against what is free, before any of it is allocated
+            parts = memory_estimate(config, n_params, n_train, cfg, self.world, mixed, algo_cfg.kl_coef > 0)
+            check_memory(parts, self.device, cfg.micro_batch_tokens)
+        args = (config, _attention(cfg.attention, self.device, torch.bfloat16 if mixed else torch.float32),
+                cfg, mixed, self.device, full_sd, buffers)
         self.model = _build(*args, train=True)
         self.ref = _build(*args, train=False) if algo_cfg.kl_coef > 0 else None  # the KL penalty's frozen reference
         del full_sd, args

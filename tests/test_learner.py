@@ -73,6 +73,17 @@ def test_kl_reference_on_2_ranks_and_a_tied_model_exports_its_embedding_once(rep
     assert tied["keys"] == ["model.embed_tokens.weight"]
 
 
+def test_the_kl_reference_is_kept_in_bf16_where_the_learner_computes_in_bf16(report):
+    """Issue 35: with mixed precision the reference's weights are bf16 (half of fp32's memory); every gather cast
+    them to bf16 anyway, so its log-probs are the step-0 policy's exactly (KL 0 at step 1) and the fp32 model's to
+    bf16 rounding (~1e-2 of their spread here; a wrong reference would be of the order of the spread)."""
+    ref = report["bf16_ref"]
+    assert ref["mesh"] == ["cpu"]  # built as on a GPU host with learner.device=cpu: FSDP2's default mesh was CUDA's
+    assert ref["ref_dtypes"] == ["torch.bfloat16"] and ref["policy_dtypes"] == ["torch.float32"]
+    assert ref["ref_vs_policy_step0"] == 0.0 and ref["kl_step1"] == 0.0
+    assert 0 < ref["ref_vs_fp32"] < 0.05 * ref["spread"], ref
+
+
 @pytest.mark.slow
 def test_resume_reproduces_the_next_step(report):
     assert report["resume_extra"] == {"data_position": 1}
@@ -174,17 +185,44 @@ def test_chunked_logprob_head_equals_one_chunk(tmp_path, monkeypatch):
     assert all((ga[n] - gb[n]).abs().max() <= (bound + gamma(40)) * ga[n].abs().max() for n in ga)
 
 
-def test_a_gpu_already_in_use_stops_start_up_with_one_line(monkeypatch):
-    """Item 11 of issue 12: an inference server on the learner's GPU is named before rank 0 loads there."""
+def test_memory_estimate_is_the_hand_computation_for_qwen25_3b_and_stops_start_up_when_it_cannot_fit(monkeypatch):
+    """Issue 35: Qwen2.5-3B (3,085,938,688 parameters, tied; h 2048, i 11008, 36 layers, 2 K/V heads of 128) on 4
+    ranks with the KL reference, bf16, full checkpointing, micro-batches of 32,768, by hand; on a GPU that holds
+    less than that free, start-up stops with one line naming what is in use."""
     import torch
+    from transformers import Qwen2Config
 
-    from l0_min.learner import check_gpu_free
+    from l0_min import learner
+    from l0_min.config import Config
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                         num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    n = 151936 * 2048 + 36 * (2048 * 2048 + 2048 + 2 * (2048 * 256 + 256) + 2048 * 2048 + 3 * 2048 * 11008 + 2 * 2048) + 2048
+    assert n == 3_085_938_688
+    cfg = Config().learner
+    cfg.micro_batch_tokens, cfg.activation_checkpointing = 32768, "full"
+    got = learner.memory_estimate(config, n, n, cfg, world=4, mixed=True, ref=True)
+    gib = 2**30
+    want = {"weights": 4 * n / 4 / gib, "grads": 4 * n / 4 / gib, "AdamW": 8 * n / 4 / gib, "reference": 2 * n / 4 / gib,
+            # the root (the tied embedding) and two decoder layers' bf16 copies
+            "gathered": (151936 * 2048 + 2 * (n - 151936 * 2048) / 36) * 2 / gib,
+            # each layer's input; the larger of one layer's recompute ((8 h + 5 i) 2 B) and the head's chunk
+            # (2048 x vocab x 11 B); the head's fp32 dW and dh
+            "activations": (36 * 2048 * 2 * 32768 + max((8 * 2048 + 5 * 11008) * 2 * 32768, 2048 * 151936 * 11)
+                            + 151936 * 2048 * 4 + 32768 * 2048 * 4) / gib}  # fmt: skip
+    assert got == pytest.approx(want, rel=1e-12)
+    assert [round(x, 2) for x in got.values()] == [2.87, 2.87, 5.75, 1.44, 0.87, 10.27]  # 24.1 GiB a rank
+    one = learner.memory_estimate(config, n, n, cfg, world=1, mixed=True, ref=False)
+    assert sum(one.values()) == pytest.approx(57.1, abs=0.05)  # one H100 measured 57.0 (README)
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
-    with pytest.raises(RuntimeError, match=r"GPU 3 already has 70.0 of 80.0 GiB in use \(an inference server\?\)"):
-        check_gpu_free(torch.device("cuda", 3))
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (79 * 2**30, 80 * 2**30))
-    check_gpu_free(torch.device("cuda", 3))
+    with pytest.raises(RuntimeError, match=r"the learner needs ~24.1 GiB on GPU 3 \(weights 2.9, grads 2.9, AdamW 5.7, "
+                       r"reference 1.4, gathered 0.9, activations 10.3, per micro-batch of 32768 tokens\) of 10.0 free of "
+                       r"80.0: 70.0 GiB are in use \(an inference server\?\)"):  # fmt: skip
+        learner.check_memory(got, torch.device("cuda", 3), 32768)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (25 * 2**30, 80 * 2**30))
+    monkeypatch.setattr(learner.dist, "get_rank", lambda: 1)  # fits: rank 0 alone says so
+    learner.check_memory(got, torch.device("cuda", 3), 32768)
 
 
 def test_learner_device_cuda_without_cuda_stops_with_the_reason(monkeypatch):
@@ -282,6 +320,31 @@ def test_the_mfu_bench_runs_every_row_and_profiles_on_cpu(tmp_path):
     assert "graphs compiled" in out
 
 
+@pytest.mark.slow
+def test_the_mfu_bench_cut_off_by_a_time_limit_keeps_the_rows_it_finished(tmp_path):
+    """Issue 35: a GPU run killed by its time limit keeps each finished row's line and RESULT: they are printed as the
+    row ends, the after rows first. Killed here in the next row, as soon as the after row's RESULT line is out."""
+    import signal
+
+    env = dict(os.environ, L0_MIN_CACHE=str(tmp_path / "cache"), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    p = subprocess.Popen([sys.executable, "bench/learner.py", "--mfu", "--no-before", "--variant", "units4@3b",
+                          "learner.fsdp_unit=4"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True)  # fmt: skip
+    lines = []
+    for line in p.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("RESULT"):
+            p.send_signal(signal.SIGKILL)
+            break
+    p.wait(timeout=60)
+    out = "\n".join(lines)
+    assert p.returncode == -signal.SIGKILL, out[-3000:]
+    assert "rows, in order: tiny after, tiny units4" in out  # on CPU each variant runs at the tiny shape
+    row = [line.split() for line in lines if line.startswith("tiny   after")]
+    assert len(row) == 1 and float(row[0][2].replace(",", "")) > 0, out[-3000:]  # its tokens/s
+    assert lines[-1].startswith("RESULT learner_mfu_tiny=") and "total" not in out
+
+
 def test_a_step_reads_nothing_back_from_the_device_per_micro_batch(fast_paths):
     """On a GPU each read of a tensor (.item(), float(), a bool, nonzero, .tolist()) stalls the host until the device
     has caught up, and the device then waits for the host's next launches. The learner's own reads in one RL step
@@ -313,33 +376,82 @@ def test_fused_logprob_head_equals_autograd_of_log_softmax():
         assert (x - y).abs().max() <= 1e-5 * y.abs().max()
 
 
-def test_varlen_adapter_equals_one_sdpa_per_row(monkeypatch):
-    """packed_varlen with torch 2.11's varlen_attn signature (no enable_gqa: K/V heads repeated; causal as
-    window_size=(-1, 0)) gives packed_sdpa's output; the kernel itself is a dense masked SDPA double here."""
+def _varlen_double(calls=None):
+    """torch's varlen_attn as a dense masked SDPA (CPU): causal within each row, K/V heads shared where enable_gqa."""
     import torch
-    import torch.nn.attention.varlen as varlen
     import torch.nn.functional as F
 
-    from l0_min import learner
-
-    def double(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
-        assert window_size == (-1, 0) and k.shape[1] == q.shape[1] and max_q == max_k == 7
+    def double(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        assert window_size == (-1, 0) and (enable_gqa or k.shape[1] == q.shape[1])
+        if calls is not None:
+            calls.append((k.shape[1], max_q))
         t = torch.arange(q.shape[0])
         row = torch.searchsorted(cu_q[1:].long(), t, right=True)
         mask = (row[:, None] == row[None, :]) & (t[:, None] >= t[None, :])
-        return F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), attn_mask=mask, scale=scale).transpose(0, 1)
+        return F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), attn_mask=mask, scale=scale,
+                                              enable_gqa=enable_gqa).transpose(0, 1)  # fmt: skip
 
-    monkeypatch.setattr(varlen, "varlen_attn", double)
+    return double
+
+
+def test_varlen_adapter_equals_one_sdpa_per_row(monkeypatch):
+    """packed_varlen with torch's varlen_attn (K/V heads shared by the kernel, or repeated where it cannot: torch
+    2.11 has no enable_gqa) gives packed_sdpa's output; the kernel is a dense masked SDPA double here."""
+    import torch
+    import torch.nn.attention.varlen as varlen
+
+    from l0_min import learner
+
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attn", _varlen_double(calls))
     torch.manual_seed(0)
     q, k, v = torch.randn(1, 4, 12, 8), torch.randn(1, 2, 12, 8), torch.randn(1, 2, 12, 8)  # 2 K/V heads for 4
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     module = torch.nn.Module()
     module.num_key_value_groups = 2
     want, _ = learner.packed_sdpa(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu)
-    got, _ = learner.packed_varlen(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=7,
-                                   kernel=learner.varlen_kernel())
-    assert got.shape == want.shape == (1, 12, 4, 8)
-    assert torch.allclose(got, want, atol=1e-6)  # fp32 softmax over <= 7 keys
+    for repeat in (False, True):
+        got, _ = learner.packed_varlen(module, q, k, v, None, scaling=0.3, cu_seq_lens_q=cu, max_length_q=7,
+                                       kernel=learner._torch_varlen(repeat))  # fmt: skip
+        assert calls[-1] == (4 if repeat else 2, 7)
+        assert got.shape == want.shape == (1, 12, 4, 8)
+        assert torch.allclose(got, want, atol=1e-6)  # fp32 softmax over <= 7 keys
+
+
+def test_the_varlen_kernel_is_the_first_that_imports_runs_and_is_right(tmp_path, monkeypatch, capsys):
+    """Issue 35: SGLang's flash-attn-4 wheel leaves `flash_attn` an empty namespace package (find_spec finds it,
+    `from flash_attn import flash_attn_varlen_func` fails); a flash_attn whose kernel raises (no kernel image for
+    this GPU) or is wrong is passed over too. Each time torch's kernel is taken, with one line saying why the
+    others were not; and learner.attention=varlen where none runs (CPU, fp32) stops start-up with one line."""
+    import torch
+    import torch.nn.attention.varlen as varlen
+
+    from l0_min import learner
+
+    cpu, f32 = torch.device("cpu"), torch.float32
+    with pytest.raises(ValueError, match=r"^learner.attention=varlen: no varlen kernel runs on cpu in float32 \(torch_varlen: "
+                       r"NotImplementedError: .*; use auto or rows \(varlen needs CUDA and learner.mixed_precision\)$"):
+        learner._attention("varlen", cpu, f32)
+    monkeypatch.setattr(varlen, "varlen_attn", _varlen_double())
+    fakes = {"empty": None, "raises": "raise RuntimeError('CUDA error: no kernel image is available for execution')",
+             "wrong": "return q * 0.5"}  # fmt: skip
+    why = {"empty": "flash_attn: AttributeError: module 'flash_attn' has no attribute 'flash_attn_varlen_func'",
+           "raises": "flash_attn: RuntimeError: CUDA error: no kernel image is available for execution",
+           "wrong": "flash_attn: ValueError: wrong output: max |difference| to one SDPA per row"}  # fmt: skip
+    for case, body in fakes.items():
+        pkg = tmp_path / case / "flash_attn"
+        pkg.mkdir(parents=True)  # "empty": a directory without __init__.py, a namespace package
+        if body:
+            (pkg / "__init__.py").write_text(f"import torch\ndef flash_attn_varlen_func(q, k, v, **kw):\n    {body}\n")
+        with monkeypatch.context() as m:
+            m.syspath_prepend(str(tmp_path / case))
+            m.delitem(sys.modules, "flash_attn", raising=False)
+            kernel, name, skipped = learner.varlen_kernel(cpu, f32)
+            assert name == "torch_varlen" and kernel is not None and skipped.startswith(why[case]), (case, skipped)
+            assert learner._attention("varlen", cpu, f32) == learner.VARLEN_ATTENTION
+            assert capsys.readouterr().err == f"learner: attention torch_varlen; passed over {skipped}\n"
+        sys.modules.pop("flash_attn", None)
+    assert learner.varlen_kernel(cpu, f32)[1:] == ("torch_varlen", "")  # none installed: nothing passed over
 
 
 def test_speed_settings_name_the_field_when_wrong(tmp_path, monkeypatch):
@@ -354,11 +466,11 @@ def test_speed_settings_name_the_field_when_wrong(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"learner.activation_checkpointing: unknown 'some' \(none \| full \| selective\)"):
         learner.apply_activation_checkpointing(model, "some")
     with pytest.raises(ValueError, match=r"learner.attention: unknown 'flash' \(auto \| rows \| varlen\)"):
-        learner._attention("flash", cuda=False, bf16=False)
-    monkeypatch.setattr(learner, "varlen_kernel", lambda: None)
-    with pytest.raises(ValueError, match="learner.attention=varlen: no varlen kernel"):
-        learner._attention("varlen", cuda=True, bf16=True)
-    assert learner._attention("auto", cuda=True, bf16=True) == learner.PACKED_ATTENTION  # none there: one per row
+        learner._attention("flash", torch.device("cpu"), torch.float32)
+    monkeypatch.setattr(learner, "varlen_kernel", lambda device, dtype: (None, None, ""))
+    with pytest.raises(ValueError, match=r"learner.attention=varlen: no varlen kernel runs on cuda in bfloat16 \(none"):
+        learner._attention("varlen", torch.device("cuda"), torch.bfloat16)
+    assert learner._attention("auto", torch.device("cuda"), torch.bfloat16) == learner.PACKED_ATTENTION  # one per row
     # an older config's bool still loads (true = full), a string too; anything else names the key
     assert resolve(["learner.activation_checkpointing=true"]).learner.activation_checkpointing is True
     assert resolve(["learner.activation_checkpointing=selective"]).learner.activation_checkpointing == "selective"

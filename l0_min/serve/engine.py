@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import inspect
 import logging
 import math
 import os
@@ -223,7 +224,7 @@ def trim_heap() -> None:
 
 
 class BatchKV(DynamicCache):
-    """The batch's keys/values (layout in the module doc), as the `past_key_values` of a forward: the model
+    """The batch's keys/values (layout in the module doc), as the cache of a forward (`Engine.cache_arg`): the model
     hands each layer's new keys/values to `update`, which writes them at `cols` [B, T] of rows `first`..
     and returns those rows' first `width` columns (the engine's 4D mask hides what a token must not see).
     transformers' own cache layers are not used: their API differs between 4.x and 5.x."""
@@ -298,6 +299,8 @@ class Engine:
         AttentionMaskInterface.register(GQA_ATTENTION, sdpa_mask)  # for callers that pass a 2D mask
         model.set_attn_implementation(GQA_ATTENTION)
         self.model, self.tokenizer = model, tokenizer
+        # the forward's cache argument: `cache` from transformers 5.24 (`past_key_values` goes in 5.40), before it the other
+        self.cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         c = model.config
         self.kv_shape = (c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
                          getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
@@ -533,8 +536,8 @@ class Engine:
         kv.first, kv.cols, kv.width = first, cols, int(cols.max()) + 1
         kv.rows = torch.arange(first, first + len(cols))[:, None]
         mask = (torch.arange(kv.width)[None, None, :] <= cols[:, :, None])[:, None]  # [B, 1, T, width]
-        out = self.model(input_ids=ids, position_ids=cols, attention_mask=mask, past_key_values=kv, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=cols, attention_mask=mask, use_cache=True, logits_to_keep=1,
+                         **{self.cache_arg: kv})
         return out.logits[:, -1, :]
 
     def _decode(self) -> None:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from l0_min.config import Config  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
-from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
+from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows, token_logprobs  # noqa: E402
 from bench.toy import make_toy_model  # noqa: E402
 
 out, tmp = Path(sys.argv[1]), Path(sys.argv[2])
@@ -179,10 +179,29 @@ dist.barrier()
 tied = Learner(tmp / "tied", cfg.learner, cfg.algo, total_steps=3)
 kl = [tied.train_step(shard_rows(batch(4), rank, world))["kl"] for _ in range(2)]
 tied_export = tied.export_hf(tmp / "export_tied")
+# 7. with bf16 compute (mixed precision) the KL reference is kept in bf16 (issue 35): half its memory, and what every
+#    gather cast the fp32 reference to, so its log-probs are the fp32 policy's at step 0 to bf16 rounding
+#    Built as on a host with GPUs (torch's accelerator: CUDA) while learner.device is cpu: the mesh is the learner's
+cfg.learner.mixed_precision = True
+accelerator, torch._C._get_accelerator = torch._C._get_accelerator, lambda: torch.device("cuda")
+mp = Learner(tmp / "tied", cfg.learner, cfg.algo, total_steps=3)
+torch._C._get_accelerator = accelerator
+ids = torch.tensor(batch(4)[0].ids)
+pos = torch.arange(len(ids))
+with torch.no_grad():
+    lp_ref, lp_mp = (token_logprobs(m, ids, pos) for m in (mp.ref, mp.model))
+    cfg.learner.mixed_precision = False
+    fp32 = Learner(tmp / "tied", cfg.learner, cfg.algo, total_steps=3)
+    lp_fp32 = token_logprobs(fp32.model, ids, pos)
+mp_kl = mp.train_step(shard_rows(batch(4), rank, world))["kl"]
 if rank == 0:
     from safetensors import safe_open
 
     with safe_open(str(tied_export / "model.safetensors"), "pt") as f:
         report["tied"] = {"keys": [k for k in f.keys() if "embed" in k or "lm_head" in k], "kl": kl}
+    report["bf16_ref"] = {"mesh": sorted({p.device_mesh.device_type for p in mp.model.parameters()}), "ref_dtypes": sorted({str(p.dtype) for p in mp.ref.parameters()}),
+                          "policy_dtypes": sorted({str(p.dtype) for p in mp.model.parameters()}),
+                          "ref_vs_policy_step0": (lp_ref - lp_mp).abs().max().item(), "kl_step1": mp_kl,
+                          "ref_vs_fp32": (lp_ref - lp_fp32).abs().max().item(), "spread": lp_fp32.std().item()}
     out.write_text(json.dumps(report, indent=1))
 close_distributed()
