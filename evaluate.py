@@ -1,48 +1,19 @@
-"""Evaluate a model on a benchmark, scored as the papers score it (official EM / F1, the SimpleQA judge).
+"""Evaluate a model on a benchmark, scored by the tasks' environment (l0_min/envs): QA with the papers' official
+EM / F1 (and the SimpleQA judge), math by numeric equality, any environment by its own score().
 
     python evaluate.py --bench hotpotqa --data ../shared/data/benchmarks/hotpotqa/hotpot_dev_distractor_first103.json \\
         --model smollm2-135m --limit 20
-    python evaluate.py --bench simpleqa --mode direct --model runs/x/checkpoints/step_00100 \\
-        --judge-url https://api.openai.com/v1 --judge-model gpt-4.1-mini --judge-api-key-env OPENAI_API_KEY
-    python evaluate.py --bench searchr1-test --data test.jsonl      # a mixed file: also scored per data_source
+    python evaluate.py --bench gsm8k --data test.jsonl           # the math environment's grader (a GSM8K layout)
+    python evaluate.py --bench synthetic:heldout --env files     # an environment's own tasks
+    python evaluate.py --bench simpleqa --mode direct --judge-url https://api.openai.com/v1 --judge-model gpt-4.1-mini \\
+        --judge-api-key-env OPENAI_API_KEY
     python evaluate.py --bench nq --n-samples 4 sampling.temperature=1.0        # pass@4
-    python evaluate.py --table runs/eval                                         # all runs, paper layout
+    python evaluate.py --table runs/eval                                         # all runs, each environment's tables
 
-Data: --data (a file, or a folder holding <bench>/<file>), else data.data_dir or $L0_MIN_DATA, else the
-benchmark's public file from the Hugging Face hub (its cache when offline). With --data, --bench only names
-the run; a row's `data_source` (FlashRAG / Search-R1 files) names its source.
-
-Modes:
-  agent   the NB-Agent, through the same rollout path as training (collect.run_tasks: sandboxed kernels,
-          tool server);
-  direct  one generation per question: a short answer, no tools (the "direct" baseline of the tables).
-
-Scores: EM and F1 are the official SQuAD / HotpotQA ones (hotpot_evaluate_v1.py's normalisation), with
-a 95% Wilson interval for EM, so they compare with published tables; "lenient EM" is the training
-reward's Unicode-aware match (curly quotes, full-width letters). A mixed file gets the per-source table
-and the mean over sources, as the papers print them.
-
-Judge (SimpleQA's metric): --judge-url is an OpenAI-compatible base URL ending in /v1 (POST
-/chat/completions, also accepted written out: hosted APIs, or SGLang's http://host:30000/v1; --judge-model
-names the model, the key comes from the environment variable --judge-api-key-env names), an SGLang server
-(/generate, chat-templated with --judge-model's tokenizer), or 'self' (the evaluated model's server). Its
-settings are checked before anything loads. Each sample is saved when generated, then again with its
-verdict: a resume, or a rerun that adds the judge, grades only what that judge model has not. A reply
-that names no grade is counted apart ("unparsed"), and the summary says how many.
-
-Search (agent mode): sets that carry their paragraphs (HotpotQA, MuSiQue, 2Wiki with context) are
-closed-corpus: BM25 over the union of the paragraphs of every question in the loaded file (also with
---limit, so the distractors of the other questions are in the index too). Sets without paragraphs
-(SimpleQA, Bamboogle, NQ, TriviaQA) run without search unless tools.corpus, a retriever or a web search
-API is configured; the agent then answers from its own knowledge, and the summary says so.
-
-Sampling: greedy (sampling.temperature=0) unless the config says otherwise. For pass@k with --n-samples
-k > 1, set a temperature (greedy samples are all alike).
-
-Resuming: results go to <out>/results.jsonl, one flushed line per finished (question, sample). Rerun
-the same command after a kill (or with a larger --limit / --n-samples) and it runs only what is missing;
-the summary (wall time included) is computed from the file, so it equals an uninterrupted run's. Without
-a server URL the embedded CPU server (`python -m l0_min.serve`) is started on --model and stopped at the end.
+Modes: agent (the NB-Agent, through training's rollout path) or direct (one short answer, no tools). Data: --data
+(a file, or a folder holding <bench>/<file>), else data.data_dir or $L0_MIN_DATA, else the benchmark's public file
+from the Hugging Face hub. Results go to <out>/results.jsonl as each sample ends; rerun the same command after a
+kill and it runs only what is missing (README "Evaluate" for search, the judge and the tables).
 """
 
 from __future__ import annotations
@@ -64,39 +35,30 @@ import aiohttp
 
 from l0_min import config as config_mod
 from l0_min.context import ChatFormat
-from l0_min.data import DataError, benchmark_name, load_benchmark
-from l0_min.episode import ANSWERED
-from l0_min.envs.qa import corpus_from_tasks
-from l0_min.evaluation import (
-    EvalError,
-    ResultsFile,
-    check_run_info,
-    first_line,
-    format_summary,
-    judge_record,
-    make_record,
-    markdown_table,
-    paper_table,
-    record_from_episode,
-    summarize,
-)
+from l0_min.answers import has_answer
+from l0_min.data import DataError, Tasks, benchmark_name, load_benchmark
+from l0_min.envs import load_env
+from l0_min.episode import ANSWERED, Episode
+from l0_min.evaluation import (EvalError, ResultsFile, check_run_info, first_line, format_summary, judge_record,
+                               markdown_table, record, summarize)
 from l0_min.log import open_jsonl, write_jsonl
 from l0_min.models import ModelNotFoundError, resolve_model
-from l0_min.rewards import has_answer
+from l0_min.rewards import score_episode
 
 DIRECT_SYSTEM = ("Answer the question. Reply with only the answer (a name, date, number or short phrase), "
                  "with no explanation.")
 DIRECT_MAX_NEW_TOKENS = 32
 JUDGE_SYSTEM = "You grade answers to factual questions. Reply with one letter."
 JUDGE_MAX_NEW_TOKENS = 128
-SCORING = "EM/F1 official (hotpot_evaluate_v1.py normalisation); lenient EM: the training reward's Unicode-aware match"
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("--bench", help="simpleqa, hotpotqa, musique, bamboogle, 2wikimultihopqa, nq, triviaqa; with "
-                                    "--data any name (it labels the run)")
+    ap.add_argument("--bench", help="simpleqa, hotpotqa, musique, bamboogle, 2wikimultihopqa, nq, triviaqa, gsm8k; with "
+                                    "--data any name (it labels the run); with --env a source the environment reads")
+    ap.add_argument("--env", help="the tasks' environment (qa, math, files or a module path); default: the file's "
+                                  "layout says (gsm8k: math; else qa)")
     ap.add_argument("--data", help="the benchmark's file (or a folder holding it); default: data.data_dir, "
                                    "$L0_MIN_DATA, else the Hugging Face hub")
     ap.add_argument("--mode", choices=["agent", "direct"], default="agent")
@@ -220,13 +182,14 @@ async def chat_completion(session: aiohttp.ClientSession, url: str, model: str, 
 
 
 @contextlib.asynccontextmanager
-async def judge_env(args, cfg, policy):
+async def judge_env(args, cfg, policy, env):
     url, judge = judge_settings(args, cfg)
     if url.endswith("/v1"):
         key = os.environ.get(args.judge_api_key_env or "", "")
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=300)) as session:
-            yield lambda rec: judge_record(rec, functools.partial(chat_completion, session, url, judge), judge)
+            yield lambda rec: judge_record(rec, functools.partial(chat_completion, session, url, judge), judge,
+                                           env.judge_prompt)
         return
     from l0_min.inference import InferenceClient
 
@@ -244,7 +207,7 @@ async def judge_env(args, cfg, policy):
                                         {"max_new_tokens": JUDGE_MAX_NEW_TOKENS, "temperature": 0.0})
             return tokenizer.decode(gen.output_ids, skip_special_tokens=True)
 
-        yield lambda rec: judge_record(rec, generate_text, judge)
+        yield lambda rec: judge_record(rec, generate_text, judge, env.judge_prompt)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,13 +223,13 @@ def agent_jobs(env, todo, finish) -> list:
     def on_episode(sample: int):
         async def save(ep):
             ep.sample = sample
-            await finish(record_from_episode(ep), ep)
+            await finish(record(ep), ep)
         return save
 
     return [run_tasks(env, [t for t, ts in todo if ts == s], 1, on_episode=on_episode(s)) for s in sorted({s for _, s in todo})]
 
 
-def direct_jobs(cfg, client, tokenizer, todo, finish) -> list:
+def direct_jobs(cfg, env, client, tokenizer, todo, finish) -> list:
     chat, s, sem = ChatFormat(tokenizer), cfg.sampling, asyncio.Semaphore(cfg.rollout.max_concurrency)
     sampling = {"max_new_tokens": DIRECT_MAX_NEW_TOKENS, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
 
@@ -275,31 +238,31 @@ def direct_jobs(cfg, client, tokenizer, todo, finish) -> list:
             t0 = time.monotonic()
             gen = await client.generate(chat.prompt_ids(DIRECT_SYSTEM, task.question), sampling)
             answer = first_line(tokenizer.decode(gen.output_ids, skip_special_tokens=True))
-        status = ANSWERED if has_answer(answer) else "no_answer"
-        await finish(make_record(task, sample, answer, status, steps=None, seconds=time.monotonic() - t0))
+        ep = Episode(task, status=ANSWERED if has_answer(answer) else "no_answer", final_answer=answer, sample=sample,
+                     seconds=time.monotonic() - t0)
+        score_episode(ep, cfg.reward, env)  # no steps: the environment's answer term alone
+        await finish(record(ep) | {"steps": None})
 
     return [one(t, s) for t, s in todo]
 
 
-async def run(args, cfg, all_tasks, todo, unjudged, save, out: Path) -> None:
+async def run(args, cfg, env, all_tasks, todo, unjudged, save, out: Path) -> None:
     """Generate the missing samples and judge the records this judge has not graded; save(record, episode,
     done) each generation as it ends (the episode with it), then its judged record (done: the sample is
     finished). The first error (a server down, a bad configuration) cancels the rest."""
-    from l0_min.envs import load_env
     from l0_min.runtime import policy_client, rollout_env
 
     async with contextlib.AsyncExitStack() as stack:
-        env = policy = tokenizer = None
+        svc = policy = tokenizer = None
         if todo:
             tokenizer = load_tokenizer(cfg.model.path)
         if todo and args.mode == "agent":
-            envs = {name: load_env(name, cfg) for name in {t.env for t in all_tasks}}  # qa; gsm8k: math
-            env = await stack.enter_async_context(rollout_env(cfg, resolve_model(cfg.model.path), tokenizer, all_tasks,
-                                                              envs, log_dir=out))
-            policy = env.policy
+            svc = await stack.enter_async_context(rollout_env(cfg, resolve_model(cfg.model.path), tokenizer, all_tasks,
+                                                              {env.name: env}, log_dir=out))
+            policy = svc.policy
         elif todo or args.judge_url == "self":
             policy = await stack.enter_async_context(policy_client(cfg, resolve_model(cfg.model.path), out))
-        grade = await stack.enter_async_context(judge_env(args, cfg, policy)) if args.judge_url else None
+        grade = await stack.enter_async_context(judge_env(args, cfg, policy, env)) if args.judge_url else None
         judging = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
         async def finish(rec, ep=None, generated=True):
@@ -311,7 +274,7 @@ async def run(args, cfg, all_tasks, todo, unjudged, save, out: Path) -> None:
 
         jobs = [finish(r, generated=False) for r in unjudged]
         if todo:
-            jobs += agent_jobs(env, todo, finish) if env else direct_jobs(cfg, policy, tokenizer, todo, finish)
+            jobs += agent_jobs(svc, todo, finish) if svc else direct_jobs(cfg, env, policy, tokenizer, todo, finish)
         try:
             async with asyncio.TaskGroup() as tg:
                 for job in jobs:
@@ -324,12 +287,14 @@ async def run(args, cfg, all_tasks, todo, unjudged, save, out: Path) -> None:
 
 
 def print_table(paths: list[str]) -> None:
+    """The summaries found under `paths`: each environment's own tables (QA: the papers' layout), then one row each."""
     found = sorted(p for d in paths for p in ([Path(d)] if Path(d).is_file() else Path(d).rglob("summary.json")))
     if not found:
         raise SystemExit(f"evaluate.py --table: no summary.json under {', '.join(paths)}")
     summaries = [json.loads(p.read_text()) for p in found]
-    print(paper_table(summaries))
-    print()
+    for name in dict.fromkeys(s.get("env", "qa") for s in summaries):
+        if table := load_env(name, config_mod.Config()).report([s for s in summaries if s.get("env", "qa") == name]):
+            print(table + "\n")
     print(markdown_table(summaries))
 
 
@@ -352,6 +317,127 @@ def report_notes(metrics: dict, search: str, cfg, mode: str) -> list[str]:
     return notes
 
 
+# ---------------------------------------------------------------------------------------------
+# main, step by step
+
+
+def load_tasks_and_env(args, cfg):
+    """The questions (the whole file: its paragraphs make the closed corpus) and their environment: --env reads
+    its own source, else the file's layout names it (gsm8k: math); the environment's judge if one is asked for."""
+    bench = benchmark_name(args.bench, known=not (args.data or args.env))
+    try:
+        if args.env and not args.data:  # the environment's own tasks ("synthetic:heldout", a name it knows)
+            env = load_env(args.env, cfg)
+            all_tasks = Tasks(env.tasks(args.bench), source=args.bench)
+        else:
+            all_tasks = load_benchmark(bench, path=args.data, skip_bad_rows=cfg.data.skip_bad_rows,
+                                       data_dir=cfg.data.data_dir or None)  # fmt: skip
+            env = load_env(args.env or all_tasks[0].env, cfg)
+    except DataError:
+        raise
+    except ValueError as e:  # an environment that cannot load, a source it cannot read
+        raise EvalError(str(e)) from None
+    for t in all_tasks:
+        t.env = env.name
+    if args.judge_url and env.judge_prompt("q", ["a"], "a") is None:
+        raise EvalError(f"--judge-url: env {env.name!r} has no judge (its judge_prompt() returns None)")
+    return bench, all_tasks, env
+
+
+def search_setting(args, cfg, env, bench: str, all_tasks) -> tuple[str, list[str]]:
+    """What the agent may search (sets that carry paragraphs are closed-corpus: BM25 over every question's
+    paragraphs, also with --limit), and what the summary must say of it."""
+    if args.mode != "agent" or not env.tools:
+        return "-", []
+    docs = env.corpus(all_tasks)
+    if cfg.tools.search == "bm25" and not docs:
+        cfg.tools.search = "none"
+    if cfg.tools.search == "bm25":
+        return (f"bm25 over {cfg.tools.corpus}" if cfg.tools.corpus else
+                f"closed corpus: bm25 over the {len(docs)} paragraphs of the file's {len(all_tasks)} questions"), []
+    if cfg.tools.search == "none":
+        return "none", [f"no search: {bench} carries no paragraphs and no tools.corpus / retriever / web API is "
+                        "configured, so the agent answers from its own knowledge"]
+    return cfg.tools.search, []
+
+
+def run_missing(args, cfg, env, all_tasks, keys, todo, unjudged, results, out: Path, t_start: float) -> int:
+    """Run what is missing and judge what is not judged, every record appended to results.jsonl as it comes;
+    the number of new generations."""
+    from tqdm import tqdm
+
+    head = env.eval_metrics[0]
+    bar = tqdm(total=len(todo) + len(unjudged), desc=f"{args.bench} {args.mode}", unit="sample", file=sys.stderr,
+               dynamic_ncols=True)  # fmt: skip
+    traj = out / "trajectories.jsonl"
+    trajectories = open_jsonl(traj) if todo and args.mode == "agent" else None
+    new, generated = [], []  # finished samples; generations (saved before their verdicts: no "grade")
+    wall_before = max((r.get("wall_s", 0.0) for r in results.by_key.values()), default=0.0)
+
+    def save(rec, ep=None, done=True):
+        if ep is not None:
+            write_jsonl(trajectories, ep.to_json())
+        if "grade" not in rec:
+            generated.append(rec["id"])
+        results.append(rec | {"wall_s": round(wall_before + time.monotonic() - t_start, 3)})  # summed over resumes
+        if done:
+            new.append(rec)
+            bar.set_postfix({head: f"{sum(r.get(head, 0.0) for r in new) / len(new):.3f}"}, refresh=False)
+            bar.update(1)
+
+    old_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a polite kill stops like Ctrl-C
+    try:
+        asyncio.run(run(args, cfg, env, all_tasks, todo, unjudged, save, out))
+    except KeyboardInterrupt:
+        bar.close()
+        print(f"\ninterrupted: {len(results.done)} samples are saved in {results.path}; "
+              "rerun the same command to finish the rest", file=sys.stderr)
+        raise SystemExit(130)
+    except Exception as e:
+        saved = f"{len(generated)} new samples are saved in {results.path}; rerun the same command to resume"
+        if not isinstance(e, (ValueError, OSError, RuntimeError)):  # not a configuration, data or server error
+            print(f"\n{saved}", file=sys.stderr)
+            raise
+        raise EvalError((str(e) or type(e).__name__) + (f" ({saved})" if generated else "")) from e
+    finally:
+        signal.signal(signal.SIGTERM, old_sigterm)
+        bar.close()
+        if trajectories is not None:
+            trajectories.close()
+    return len(generated)
+
+
+def write_summary(args, cfg, env, bench, info, records, k, judge, notes, search, wall, resumed, out: Path) -> dict:
+    """summary.json, summary.md and viewer.html, from the file: the same numbers whether or not the run was
+    interrupted; printed too."""
+    metrics = summarize(records, env.eval_metrics, k, judged=bool(judge))
+    notes += report_notes(metrics, search, cfg, args.mode)
+    summary = {"model": label(cfg.model.path), "mode": args.mode, "bench": bench, "env": env.name, "data": info["data"],
+               "metrics": metrics, "search": search, "judge_model": judge, "wall_s": wall, "resumed_samples": resumed,
+               "notes": notes}  # fmt: skip
+    write = functools.partial(Path.write_text, encoding="utf-8", errors="backslashreplace")  # any str: JSON \\u escapes
+    write(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
+    per_source = [summary | {"bench": f"{bench}: {src}", "metrics": m, "wall_s": None}
+                  for src, m in metrics.get("sources", {}).items()]
+    table = markdown_table([summary] + per_source)
+    if per_source and (own := env.report([summary])):
+        table += f"\n\nper source:\n\n{own}"
+    write(out / "summary.md", table + "\n" + "".join(f"\n- {n}" for n in notes) + "\n")
+    if args.mode == "agent" and (out / "trajectories.jsonl").exists():
+        try:
+            from l0_min.viewer import write_viewer
+
+            write_viewer(out / "trajectories.jsonl", out / "viewer.html", title=f"{bench} {args.mode} {summary['model']}")
+        except Exception as e:  # the viewer is a convenience; the results are already safe
+            print(f"viewer.html not written: {type(e).__name__}: {e}", file=sys.stderr)
+    print(table)
+    print(format_summary(metrics))
+    for n in notes:
+        print(f"- {n}")
+    print(f"results: {out / 'results.jsonl'}; summary: {out / 'summary.json'}")
+    return summary
+
+
 def main(argv=None) -> dict | None:
     t_start = time.monotonic()
     args = parse_args(argv)
@@ -364,119 +450,45 @@ def main(argv=None) -> dict | None:
     if args.judge_url:
         judge_settings(args, cfg)  # before the data, the model or the servers load
 
-    # 1. the questions: the whole file is loaded (its paragraphs make the closed corpus), --limit picks the first N
-    bench = benchmark_name(args.bench, known=not args.data)
-    all_tasks = load_benchmark(bench, path=args.data, skip_bad_rows=cfg.data.skip_bad_rows, data_dir=cfg.data.data_dir or None)
-    tasks = all_tasks[: args.limit] if args.limit else list(all_tasks)
-    k = args.n_samples
+    # 1. the questions and their environment; --limit picks the first N
+    bench, all_tasks, env = load_tasks_and_env(args, cfg)
+    tasks, k = (all_tasks[: args.limit] if args.limit else list(all_tasks)), args.n_samples
 
     # 2. what the agent may search, and what the summary must say
-    notes, search = [f"scores: {SCORING}"], "-"
-    if args.mode == "agent":
-        docs = corpus_from_tasks(all_tasks)
-        if cfg.tools.search == "bm25" and not cfg.tools.corpus and not docs:
-            cfg.tools.search = "none"
-        if cfg.tools.search == "bm25":
-            search = f"bm25 over {cfg.tools.corpus}" if cfg.tools.corpus else \
-                f"closed corpus: bm25 over the {len(docs)} paragraphs of the file's {len(all_tasks)} questions"
-        elif cfg.tools.search == "none":
-            search = "none"
-            notes.append(f"no search: {bench} carries no paragraphs and no tools.corpus / retriever / web API is "
-                         "configured, so the agent answers from its own knowledge")
-        else:
-            search = cfg.tools.search
+    search, notes = search_setting(args, cfg, env, bench, all_tasks)
+    notes.insert(0, f"scores: env {env.name}'s score(): {', '.join(env.eval_metrics)}")
     if k > 1 and cfg.sampling.temperature == 0:
         notes.append(f"{k} samples per question at temperature 0 (greedy) are alike; set sampling.temperature for pass@k")
-    if not args.judge_url:
-        notes.append("judge off (no --judge-url): EM / F1 only" + ("; the SimpleQA tables report the judge's accuracy"
-                                                                  if bench == "simpleqa" else ""))
+    if not args.judge_url and env.judge_prompt("q", ["a"], "a") is not None:
+        notes.append("judge off (no --judge-url)" + ("; the SimpleQA tables report the judge's accuracy"
+                                                      if bench == "simpleqa" else ""))
 
     # 3. the evaluation folder: run.json must match to resume; results.jsonl says what is done (and judged)
     out = Path(args.out or Path("runs") / "eval" / f"{label(bench)}-{label(cfg.model.path)}-{args.mode}")
-    info = {"bench": bench, "data": str(Path(all_tasks.source).resolve()), "mode": args.mode, "model": cfg.model.path,
-            "search": search, "scoring": SCORING,
+    src = Path(all_tasks.source)
+    info = {"bench": bench, "env": env.name, "data": str(src.resolve()) if src.exists() else all_tasks.source,
+            "mode": args.mode, "model": cfg.model.path, "search": search, "scoring": list(env.eval_metrics),
             "sampling": dataclasses.asdict(cfg.sampling) | ({"max_new_tokens": DIRECT_MAX_NEW_TOKENS} if args.mode == "direct" else {}),
-            "agent": dataclasses.asdict(cfg.agent) if args.mode == "agent" else None}
+            "agent": dataclasses.asdict(cfg.agent) if args.mode == "agent" else None}  # fmt: skip
     check_run_info(out / "run.json", info)
     config_mod.save(cfg, out / "config.yaml")
     judge = (args.judge_model or cfg.model.path) if args.judge_url else None
-    traj_path = out / "trajectories.jsonl"
     with ResultsFile(out / "results.jsonl") as results:
         keys = [(t.id, s) for t in tasks for s in range(k)]
         todo = [(t, s) for t in tasks for s in range(k) if (t.id, s) not in results.done]
         unjudged = [results.by_key[key] for key in keys if judge and key in results.done and results.by_key[key].get("judge") != judge]
-        wall_before = max((r.get("wall_s", 0.0) for r in results.by_key.values()), default=0.0)
-        print(f"{bench}: {len(tasks)} of {len(all_tasks)} questions x {k} sample(s), {args.mode} mode, model "
-              f"{cfg.model.path}; {len(keys) - len(todo)} done before, {len(todo)} to run, {len(unjudged)} to judge "
-              f"-> {out}", file=sys.stderr)
+        print(f"{bench}: {len(tasks)} of {len(all_tasks)} questions x {k} sample(s), {args.mode} mode, env {env.name}, "
+              f"model {cfg.model.path}; {len(keys) - len(todo)} done before, {len(todo)} to run, {len(unjudged)} to "
+              f"judge -> {out}", file=sys.stderr)
 
         # 4. run what is missing, judge what is not judged; every record is appended to results.jsonl at once
         if todo or unjudged:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(todo) + len(unjudged), desc=f"{bench} {args.mode}", unit="sample", file=sys.stderr,
-                       dynamic_ncols=True)
-            trajectories = open_jsonl(traj_path) if todo and args.mode == "agent" else None
-            new, generated = [], []  # finished samples; generations (saved before their verdicts: no "grade")
-
-            def save(rec, ep=None, done=True):
-                if ep is not None:
-                    write_jsonl(trajectories, ep.to_json())
-                if "grade" not in rec:
-                    generated.append(rec["id"])
-                results.append(rec | {"wall_s": round(wall_before + time.monotonic() - t_start, 3)})  # summed over resumes
-                if done:
-                    new.append(rec)
-                    bar.set_postfix(EM=f"{sum(r['em'] for r in new) / len(new):.3f}", refresh=False)
-                    bar.update(1)
-
-            old_sigterm = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a polite kill stops like Ctrl-C
-            try:
-                asyncio.run(run(args, cfg, all_tasks, todo, unjudged, save, out))
-            except KeyboardInterrupt:
-                bar.close()
-                print(f"\ninterrupted: {len(results.done)} samples are saved in {results.path}; "
-                      "rerun the same command to finish the rest", file=sys.stderr)
-                raise SystemExit(130)
-            except Exception as e:
-                saved = f"{len(generated)} new samples are saved in {results.path}; rerun the same command to resume"
-                if not isinstance(e, (ValueError, OSError, RuntimeError)):  # not a configuration, data or server error
-                    print(f"\n{saved}", file=sys.stderr)
-                    raise
-                raise EvalError((str(e) or type(e).__name__) + (f" ({saved})" if generated else "")) from e
-            finally:
-                signal.signal(signal.SIGTERM, old_sigterm)
-                bar.close()
-                if trajectories is not None:
-                    trajectories.close()
+            run_missing(args, cfg, env, all_tasks, keys, todo, unjudged, results, out, t_start)
         records = [results.by_key[key] for key in keys if key in results.by_key]
         wall = max((r.get("wall_s", 0.0) for r in results.by_key.values()), default=0.0)
 
-    # 5. the summary, from the file: the same numbers whether or not the run was interrupted
-    metrics = summarize(records, k, judged=bool(judge))
-    notes += report_notes(metrics, search, cfg, args.mode)
-    summary = {"model": label(cfg.model.path), "mode": args.mode, "bench": bench, "data": info["data"],
-               "metrics": metrics, "search": search, "judge_model": judge, "wall_s": wall,
-               "resumed_samples": len(keys) - len(todo), "notes": notes}
-    write = functools.partial(Path.write_text, encoding="utf-8", errors="backslashreplace")  # any str: JSON \\u escapes
-    write(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    per_source = [summary | {"bench": f"{bench}: {src}", "metrics": m, "wall_s": None}
-                  for src, m in metrics.get("sources", {}).items()]
-    table = markdown_table([summary] + per_source) + (f"\n\nper source:\n\n{paper_table([summary])}" if per_source else "")
-    write(out / "summary.md", table + "\n" + "".join(f"\n- {n}" for n in notes) + "\n")
-    if args.mode == "agent" and traj_path.exists():
-        try:
-            from l0_min.viewer import write_viewer
-
-            write_viewer(traj_path, out / "viewer.html", title=f"{bench} {args.mode} {summary['model']}")
-        except Exception as e:  # the viewer is a convenience; the results are already safe
-            print(f"viewer.html not written: {type(e).__name__}: {e}", file=sys.stderr)
-    print(table)
-    print(format_summary(metrics))
-    for n in notes:
-        print(f"- {n}")
-    print(f"results: {out / 'results.jsonl'}; summary: {out / 'summary.json'}")
-    return summary
+    # 5. the summary, from the file
+    return write_summary(args, cfg, env, bench, info, records, k, judge, notes, search, wall, len(keys) - len(todo), out)
 
 
 if __name__ == "__main__":

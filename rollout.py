@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import dataclasses
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,8 @@ from l0_min import config as configlib
 from l0_min.collect import InferenceDown, run_tasks
 from l0_min.envs import ExpertPolicy, load_sources
 from l0_min.episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode
-from l0_min.log import batch_metrics, eval_summaries, format_eval, write_jsonl
+from l0_min.evaluation import format_summary, summarize_episodes
+from l0_min.log import batch_metrics, fail, write_jsonl
 from l0_min.models import resolve_model
 from l0_min.runtime import rollout_env, settle_gc
 from l0_min.viewer import write_viewer
@@ -42,11 +42,6 @@ ap.add_argument("--expert", action="store_true", help="the environment's scripte
 ap.add_argument("--out", help="output folder (default runs/rollout-<time>)")
 ap.add_argument("overrides", nargs="*", help="section.key=value")
 args = ap.parse_args()
-
-
-def fail(msg: str) -> None:
-    print(f"rollout.py: error: {msg}", file=sys.stderr)
-    sys.exit(2)
 
 
 try:
@@ -110,12 +105,12 @@ try:
     episodes = asyncio.run(main())
 except (InferenceDown, ValueError) as e:  # the servers gone; a setting that cannot work (a search without documents)
     fail(str(e))
-scores = eval_summaries(episodes, envs)  # per environment (and "all"), as train.py's held-out evaluation
+scores = summarize_episodes(episodes, envs)  # per environment (and "all"), as train.py's held-out evaluation
 summary = batch_metrics(episodes, envs) | {"scores": scores, "seconds": time.perf_counter() - t0,
                                            "data": " + ".join(f"{s.env or cfg.env}:{s.source}" for s in
                                                               ([configlib.Source(d) for d in args.data] or cfg.data.eval))}
 (out / "summary.json").write_text(json.dumps(summary, indent=1))
 write_viewer(out / "trajectories.jsonl", out / "viewer.html")
 print(f"{len(episodes)} episodes in {summary['seconds']:.0f} s: " + "; ".join(
-    f"{name}: {format_eval(m)}" for name, m in scores.items()))
+    f"{name}: {format_summary(m)}" for name, m in scores.items()))
 print(f"wrote {out}/trajectories.jsonl, summary.json, viewer.html")

@@ -26,11 +26,33 @@ from pathlib import Path
 
 from l0_min import config as configlib
 from l0_min.envs import load_sources
+from l0_min.log import fail
 
 
-def fail(msg: str) -> None:
-    print(f"train.py: error: {msg}", file=sys.stderr, flush=True)
-    sys.exit(2)
+def expert_failure(episodes, envs, asked: int) -> str:
+    """Why the SFT cold start has no expert episode, in one line: no task has an expert, or none of the experts'
+    episodes solved its task (the first one's status, answer and gold, or a headline its score() lacks)."""
+    if not episodes:
+        return f"sft.episodes={asked} but no training task has an expert (every env.expert(task) is None): set sft.episodes=0"
+    ep = episodes[0]
+    env = envs[ep.task.env]
+    if ep.status == "answered" and env.metrics[0] not in ep.rewards:
+        return (f"env {env.name!r}: metrics[0] {env.metrics[0]!r} is not among score()'s keys "
+                f"({', '.join(k for k in ep.rewards if k not in ('format', 'exec', 'total'))})")
+    return (f"0 of {len(episodes)} expert episodes solved their task (sft.episodes={asked}); the first, task "
+            f"{ep.task.id} of env {env.name!r}: {ep.status}, answer {ep.final_answer!r}, gold {ep.task.answers[:3]}"
+            + (f", {ep.error}" if ep.error else ""))
+
+
+def all_failed(episodes, step: int) -> str:
+    """Why every episode of a step failed, in one line: the statuses and the first error."""
+    counts = {}
+    for ep in episodes:
+        counts[ep.status] = counts.get(ep.status, 0) + 1
+    lines = next((ep.error for ep in episodes if ep.error), "").strip().splitlines() or [""]
+    first = lines[0][:200] + (f" ... {lines[-1][-200:]}" if len(lines) > 1 else "")  # what failed, and its cause
+    return (f"every episode of step {step} failed and was masked ({', '.join(f'{n} {s}' for s, n in counts.items())}), "
+            f"the first: {first}; stopping")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -70,12 +92,11 @@ if rank0:  # each source's tasks in its environment (l0_min/envs: qa, math, file
 import torch.distributed as dist  # noqa: E402
 
 from l0_min.collect import Batches, InferenceDown, TaskStream, run_tasks  # noqa: E402
-from l0_min.envs import ExpertPolicy  # noqa: E402
+from l0_min.envs import ExpertPolicy, solved  # noqa: E402
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
-from l0_min.evaluation import two_proportion_z_test  # noqa: E402
+from l0_min.evaluation import format_summary, summarize_episodes, two_proportion_z_test  # noqa: E402
 from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
-from l0_min.log import (MetricsLogger, RunDir, batch_metrics, eval_summaries, format_eval, label, log_step,  # noqa: E402
-                        plot_rewards, step_header)
+from l0_min.log import MetricsLogger, RunDir, batch_metrics, label, log_step, plot_rewards, step_header  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import PEAK_MB, rollout_env, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
@@ -196,10 +217,10 @@ if rank0:
             eps = runner.run(run_tasks(svc_m, eval_tasks, cfg.run.eval_samples))
             run.write_trajectories(step, eps, prefix="eval" if mode == "sampled" else "eval-greedy")
             record = {key + "seconds": time.perf_counter() - t0}
-            for name, m in eval_summaries(eps, envs).items():
+            for name, m in summarize_episodes(eps, envs).items():
                 evals.setdefault(step, {})[name, mode] = m["successes"], m["n"], label(m["metric"])
                 record |= {f"{key}{'' if name == 'all' else name + '/'}{k}": v for k, v in m.items()}
-                print(f"eval @ step {step} ({mode}{'' if name == 'all' else ', ' + name}): {format_eval(m)} "
+                print(f"eval @ step {step} ({mode}{'' if name == 'all' else ', ' + name}): {format_summary(m)} "
                       f"({record[key + 'seconds']:.0f} s)", flush=True)
             logger.log(step, record)
 
@@ -255,8 +276,10 @@ if step < sft_steps:
         shown = [t for ts, w in zip(train_sources, shares)
                  for t in [t for t in ts if wanted(t)][: round(cfg.sft.episodes * w / (sum(shares) or 1))]]
         expert = dataclasses.replace(svc, policy=ExpertPolicy(shown, envs, learner.tokenizer, cfg.agent.prefill))
-        demos = [e for e in runner.run(run_tasks(expert, shown))  # the solved ones
-                 if e.rewards.get(envs[e.task.env].metrics[0]) == 1.0]
+        episodes = runner.run(run_tasks(expert, shown))
+        demos = [e for e in episodes if solved(e, envs[e.task.env])]
+        if not demos:  # SFT was asked for and none of it can happen: say why, rather than end without a step
+            fail(expert_failure(episodes, envs, cfg.sft.episodes))
         random.Random(cfg.run.seed).shuffle(demos)  # SFT batches mix the sources
         run.write_trajectories(0, demos, prefix="sft")
         print(f"SFT: {len(demos)} expert episodes of {len(shown)} tasks ({', '.join(cfg.sft.kinds) or 'all kinds'}), "
@@ -296,6 +319,9 @@ while step < last and not stopped:
     if rank0:
         try:
             batch = None if stop.is_set() or exit_code else runner.run(until_stopped(batches.next(step)))
+            if batch is not None and all(ep.masked for ep in batch.episodes):  # nothing to learn from, and it repeats
+                print(f"train.py: error: {all_failed(batch.episodes, step + 1)}", file=sys.stderr, flush=True)
+                batch, exit_code = None, 3
             msg = ("stop", exit_code) if batch is None else ("rows", training_rows(batch.episodes, cfg.algo))
         except InferenceDown as e:
             print(f"train.py: error: {e}", file=sys.stderr, flush=True)

@@ -36,7 +36,7 @@ from l0_min.context import ContextWatcher, chat_format
 from l0_min.episode import (ANSWERED, ENV_ERROR, INFERENCE_ERROR, KERNEL_CRASHED, MAX_STEPS, MAX_TOKENS, TIMEOUT,
                             Episode, Step, Task)
 from l0_min.inference import Generation, InferenceError, episode_key
-from l0_min.rewards import format_ok
+from l0_min.rewards import THINK
 
 
 class Policy(Protocol):
@@ -72,26 +72,24 @@ def task_message(env, task: Task, cfg: Config) -> str:
 class Parsed:
     think: str = ""
     code: str = ""  # "" when there is nothing to run
-    format_ok: bool = False  # rewards.format_ok: the one definition of a well-formed step
     error: str = ""  # what was wrong with the format, for the observation ("" when nothing was)
 
 
-_THINK = re.compile(r"<think>(.*?)</think>", re.DOTALL)
 _FENCE = re.compile(r"^\s*```[a-zA-Z0-9_]*\s*\n(.*?)\n?\s*```\s*$", re.DOTALL)
 
 
-def parse_action(text: str, finish_reason: str = "stop", matched_stop=None, min_think_chars: int = 10,
-                 min_code_chars: int = 5) -> Parsed:
-    """Split an action into think and code; tolerant, never raises. The code of a closed (or
-    stop-trimmed) <code> block runs even when the format is wrong; `format_ok` is the reward's rule.
+def parse_action(text: str, finish_reason: str = "stop", matched_stop=None) -> Parsed:
+    """Split an action into think and code; tolerant, never raises. The code of a closed (or stop-trimmed)
+    <code> block runs even when the format is wrong (whether it is well formed is the reward's rule:
+    rewards.format_ok, applied in score_episode).
 
     >>> p = parse_action("<think>add the numbers</think>\\n<code>print(1+1)</code>")
-    >>> p.think, p.code, p.format_ok
-    ('add the numbers', 'print(1+1)', True)
+    >>> p.think, p.code
+    ('add the numbers', 'print(1+1)')
     >>> parse_action("<think>add</think><code>print(1+", "length").error
     'the action was cut off by the token limit before </code>; write shorter steps'
     """
-    m = _THINK.search(text)
+    m = THINK.search(text)
     think = m.group(1).strip() if m else ""
     after_think = text[m.end() :] if m else text
     start = after_think.find("<code>")
@@ -112,7 +110,7 @@ def parse_action(text: str, finish_reason: str = "stop", matched_stop=None, min_
         return Parsed(think, error="the <code> block is empty")
     if not m:
         return Parsed("", code, error="start each step with <think>...</think>")
-    return Parsed(think, code, format_ok(text, min_think_chars, min_code_chars, finish_reason))
+    return Parsed(think, code)
 
 
 def sampling_params(cfg: Config, room: int) -> dict:
@@ -186,9 +184,8 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel
             ep.error = f"bad generation: {len(gen.output_ids)} ids, {len(gen.logprobs)} log-probs"
             return INFERENCE_ERROR
         text = a.prefill + ctx.decode(gen.output_ids)  # the prefill is context, shown with the action
-        r = cfg.reward
-        p = parse_action(text, gen.finish_reason, gen.matched_stop, r.min_think_chars, r.min_code_chars)
-        step = Step(context_ids, list(gen.output_ids), list(gen.logprobs), text, p.think, p.code, format_ok=p.format_ok,
+        p = parse_action(text, gen.finish_reason, gen.matched_stop)
+        step = Step(context_ids, list(gen.output_ids), list(gen.logprobs), text, p.think, p.code,
                     finish_reason=gen.finish_reason, weight_version=gen.weight_version, segment=ctx.segment)
         ep.steps.append(step)
 

@@ -38,7 +38,7 @@ from typing import Awaitable, Callable, Protocol
 from l0_min import algo
 from l0_min.agent import Kernel, Policy, Tools, run_episode
 from l0_min.config import Config, RolloutConfig
-from l0_min.envs import SEARCH_TOOLS, TaskEnv, setup_cell
+from l0_min.envs import SEARCH_TOOLS, TaskEnv, setup_cells
 from l0_min.episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode, Task
 from l0_min.inference import InferenceError
 from l0_min.rewards import score_episode
@@ -80,10 +80,10 @@ async def prepare(kernel, env: TaskEnv, task: Task, tools: Tools, timeout: float
     """Give a fresh kernel the task's host tools and workspace files; raises if the sandbox cannot be set up."""
     tools.allow(kernel.id, env.tools)
     drop = tuple(t for t in SEARCH_TOOLS if t not in env.tools)
-    if (files := env.files(task)) or drop:
-        res = await kernel.execute(setup_cell(files, drop), timeout=timeout)
-        if not res.ok:
-            raise RuntimeError(f"setting up the workspace of task {task.id} failed: {res.text(500)}")
+    for cell in setup_cells(env.files(task), drop):
+        res = await kernel.execute(cell, timeout=timeout)
+        if not res.ok:  # the error's last lines: the cause, not the echo of a long file
+            raise RuntimeError(f"setting up the workspace of task {task.id} failed: {res.text()[-500:]}")
 
 
 async def _attempt(svc: Services, task: Task) -> tuple[Episode, list[str]]:

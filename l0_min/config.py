@@ -148,7 +148,6 @@ class RewardConfig:
     min_code_chars: int = 5
     em_weight: float = 0.9  # answer = em_weight * EM + has_answer_weight * 1[non-empty answer] (L0)
     has_answer_weight: float = 0.1
-    answer_metric: str = "em"  # em | f1: what `em_weight` multiplies
 
 
 @dataclass
@@ -240,7 +239,6 @@ class DataConfig:
     eval_limit: int = 16  # held-out tasks per eval source
     # the generators of synthetic tasks (each environment has one: data.synthetic_* configure them all)
     synthetic_seed: int = 0
-    synthetic_entities: int = 60  # qa: the size of the invented encyclopedia
     synthetic_tasks: int = 256
     synthetic_kinds: list[str] = field(default_factory=list)  # keep only these task kinds (empty: all)
     synthetic_heldout: float = 0.2  # share of synthetic tasks in "synthetic:heldout" (by a hash of the id)
@@ -274,10 +272,12 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    # settings of one environment, by its name, read and checked by it (`envs.settings`): {qa: {entities: 160}}
+    envs: dict[str, dict] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------- loading, overriding, checking
-def _check(value, tp, key: str):
+def check(value, tp, key: str):
     """`value` as type `tp`, or ConfigError naming `key`. Ints pass for floats, numbers for strings, "a,b"
     (a command-line value) for a list, a mapping or a string (its first field) for a section in a list."""
     if dataclasses.is_dataclass(tp):
@@ -293,7 +293,7 @@ def _check(value, tp, key: str):
         value = [value] if isinstance(value, dict) else value
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [_check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
     if isinstance(value, (int, float)) and not isinstance(value, bool) and tp in (float, str):
         return tp(value)
     if tp is float and isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
@@ -310,12 +310,18 @@ def _apply(node, updates: dict, prefix: str = ""):
         if k not in hints:
             raise ConfigError(f"unknown key '{key}' ({prefix.rstrip('.') or 'top level'} has: {', '.join(hints)})")
         current = getattr(node, k)
-        if dataclasses.is_dataclass(current):
+        if dataclasses.is_dataclass(current) or isinstance(current, dict):
             if not isinstance(v, dict):
                 raise ConfigError(f"{key}: expected a section (mapping), got {v!r}")
-            _apply(current, v, key + ".")
+            if dataclasses.is_dataclass(current):
+                _apply(current, v, key + ".")
+            else:  # envs: one mapping per environment, merged key by key (its environment checks them)
+                for name, sub in v.items():
+                    if not isinstance(sub, dict):
+                        raise ConfigError(f"{key}.{name}: expected a mapping of that environment's settings, got {sub!r}")
+                    current[name] = current.get(name, {}) | sub
         else:
-            setattr(node, k, _check(v, hints[k], key))
+            setattr(node, k, check(v, hints[k], key))
 
 
 def parse_override(arg: str) -> dict:

@@ -65,8 +65,9 @@ BENCHMARKS = {
     "bamboogle": (_FLASHRAG, "bamboogle/test.jsonl"), "nq": (_FLASHRAG, "nq/test.jsonl"),
     "triviaqa": (_FLASHRAG, "triviaqa/test.jsonl"), "gsm8k": ("openai/gsm8k", "main/test-00000-of-00001.parquet"),
 }
-ALIASES = {"2wiki": "2wikimultihopqa", "nq_open": "nq", "nq-open": "nq", "simple_qa": "simpleqa",
-           "hotpot": "hotpotqa", "hotpot_qa": "hotpotqa", "trivia_qa": "triviaqa"}
+ALIASES = {"2wiki": "2wikimultihopqa", "2wikimqa": "2wikimultihopqa", "nq_open": "nq", "nq-open": "nq",
+           "simple_qa": "simpleqa", "hotpot": "hotpotqa", "hotpot_qa": "hotpotqa", "trivia_qa": "triviaqa",
+           "tq": "triviaqa", "pop_qa": "popqa"}  # other names files give a benchmark (Search-R1's data_source)
 _SUFFIXES = (".csv", ".tsv", ".json", ".jsonl", ".parquet", ".json.gz", ".jsonl.gz")
 
 
@@ -251,8 +252,10 @@ def _parse(layout: str, row: dict) -> tuple[str, list[str], dict]:
         if row.get("context"):
             meta["context"] = _context(row["context"])
     elif layout == "gsm8k":  # a worked solution ending "#### <number>": the number is the gold
-        q, (solution, _, gold) = _text(row, "question"), _text(row, "answer").rpartition("\n#### ")
-        answers, meta["solution"] = [gold.replace(",", "").strip()], solution
+        q, (solution, mark, gold) = _text(row, "question"), _text(row, "answer").rpartition("#### ")
+        if not mark or not gold.strip():
+            raise _RowError("GSM8K layout: field 'answer' must end with '#### <number>' (the gold)")
+        answers, meta["solution"] = [gold.replace(",", "").strip()], solution.rstrip("\n")
     elif layout == "musique":
         q = _text(row, "question")
         answers = [_text(row, "answer")] + _alias_list(row.get("answer_aliases") or [], "answer_aliases")
@@ -322,7 +325,8 @@ def load_file(path: str | Path, limit: int | None = None, skip_bad_rows: bool = 
             out.errors.append(msg)
             continue
         seen[tid] = i
-        meta = {"benchmark": str(row.get("data_source") or benchmark or layout).lower(), "row": i, **meta}
+        meta = {"benchmark": benchmark_name(str(row.get("data_source") or benchmark or layout), known=False), "row": i,
+                **meta}
         out.append(Task(id=tid, question=q, answers=answers, meta=meta, env="math" if layout == "gsm8k" else "qa"))
     if out.skipped:
         log.warning("%s: skipped %d bad rows, first: %s", path, out.skipped, out.errors[0])

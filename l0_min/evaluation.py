@@ -1,27 +1,16 @@
-"""Benchmark evaluation: paper-comparable scores, records, the LLM judge, a resumable results file,
-per-question aggregates with confidence intervals, tables; `evaluate.py` is the command line. An
-evaluation folder (default `runs/eval/<bench>-<model>-<mode>`) holds:
+"""Evaluation, for any environment: records scored by the task's environment (`TaskEnv.score`), the LLM judge,
+a resumable results file, per-question aggregates with confidence intervals, tables; `evaluate.py` is the
+command line, and train.py / rollout.py summarise their held-out episodes with the same `summarize`.
 
-    run.json            what is evaluated (bench, data file, mode, model, sampling, agent budgets);
-                        a rerun into the same folder must match it, and then resumes
-    results.jsonl       one record per finished (question, sample), appended and flushed as each one
-                        finishes (and again once judged), so a killed run or a failed judge loses
-                        only the samples in flight
-    trajectories.jsonl  agent mode: the whole Episode behind each record (viewer.html shows them)
-    summary.json, summary.md, config.yaml, server.log
-
-A record (one line of results.jsonl):
+An evaluation folder (default `runs/eval/<bench>-<model>-<mode>`) holds run.json (what is evaluated; a rerun
+into the folder must match it, and then resumes), results.jsonl (one record per finished (question, sample),
+appended and flushed as each one finishes, and again once judged), trajectories.jsonl (agent mode: the
+Episode behind each record), summary.json, summary.md, config.yaml, server.log. A record:
 
     {"id": "5a8b57f2", "sample": 0, "source": "hotpotqa", "question": "...", "answers": ["..."],
-     "prediction": "..." | null, "status": "answered", "em": 1.0, "f1": 1.0, "lenient_em": 1.0,
-     "lenient_f1": 1.0, "answered": true, "steps": 3, "seconds": 12.5, "error": "", "wall_s": 40.2,
+     "prediction": "..." | null, "status": "answered", "answered": true, "steps": 3, "seconds": 12.5,
+     "error": "", "reward": 0.94, <the environment's scores: "core", its metrics ...>, "wall_s": 40.2,
      "grade": "correct", "judge": "<judge model>", "judge_error": ""}     (the last three when judged)
-
-Scoring (see `summarize`, also per source for a mixed file, as the papers print it): EM and F1 are the
-official SQuAD / HotpotQA ones (`envs.qa.official_normalize`), best over the gold aliases, so tables compare with
-published numbers; lenient_em / lenient_f1 are the training reward's Unicode-aware scores. The judge
-(SimpleQA style) grades each sample correct / incorrect / not attempted, or "unparsed" when its reply
-named no grade (counted apart, and said), kept in the record for resumes.
 """
 
 from __future__ import annotations
@@ -33,28 +22,11 @@ import math
 import re
 from collections import Counter
 from pathlib import Path
-from typing import Awaitable, Callable, Iterable
+from typing import Awaitable, Callable
 
-from l0_min.episode import ENV_ERROR, Episode, Task
-from l0_min.log import open_jsonl, read_jsonl, write_jsonl
-from l0_min.envs.qa import exact_match, f1_score, official_em, official_f1
-from l0_min.rewards import has_answer
-
-# The papers' columns: L0's judged SimpleQA, then Search-R1's seven in the order its tables print them; each
-# with its header and the other names a row's data_source gives it (FlashRAG and Search-R1 files differ).
-PAPER_ORDER = [("simpleqa", "SimpleQA", "simple_qa"), ("nq", "NQ", "nq_open nq-open"), ("triviaqa", "TriviaQA", "tq trivia_qa"),
-               ("popqa", "PopQA", "pop_qa"), ("hotpotqa", "HotpotQA", "hotpot hotpot_qa"),
-               ("2wikimultihopqa", "2Wiki", "2wiki 2wikimqa"), ("musique", "MuSiQue", ""), ("bamboogle", "Bamboogle", "")]
-_BENCHMARK = {alias: key for key, _, aliases in PAPER_ORDER for alias in (key, *aliases.split())}
-
-
-def benchmark_key(source: str) -> str:
-    """The benchmark a data_source names ("tq" -> "triviaqa"); an unknown one, lower-cased.
-
-    >>> benchmark_key("2wiki"), benchmark_key("TQ"), benchmark_key("my_set")
-    ('2wikimultihopqa', 'triviaqa', 'my_set')
-    """
-    return _BENCHMARK.get(source.strip().lower(), source.strip().lower())
+from l0_min.answers import has_answer
+from l0_min.episode import ENV_ERROR, Episode, is_number
+from l0_min.log import label, open_jsonl, read_jsonl, write_jsonl
 
 
 class EvalError(ValueError):
@@ -62,28 +34,20 @@ class EvalError(ValueError):
 
 
 # ------------------------------------------------------------------------------------- records
-def make_record(task: Task, sample: int, prediction: str | None, status: str, steps: int | None = 0,
-                seconds: float = 0.0, error: str = "") -> dict:
-    """One finished (question, sample), scored against every gold alias, officially and leniently.
+def record(ep: Episode) -> dict:
+    """The record of a scored episode: the task, the answer, how it ended and every number its scoring gave.
 
-    >>> r = make_record(Task("q1", "Capital of France?", ["Paris"]), 0, "paris.", "answered", steps=2)
-    >>> r["em"], r["f1"], r["answered"]
-    (1.0, 1.0, True)
-    >>> r = make_record(Task("q2", "Capital of Japan?", ["“Tokyo”"]), 0, "Tokyo", "answered")
-    >>> r["em"], r["lenient_em"]  # curly quotes are not in string.punctuation
-    (0.0, 1.0)
+    >>> from l0_min.episode import Task
+    >>> r = record(Episode(Task("q1", "Capital?", ["Paris"]), status="answered", final_answer="paris", reward=0.9,
+    ...                    rewards={"core": 1.0, "em": 1.0, "note": "x"}))
+    >>> r["prediction"], r["answered"], r["em"], r["reward"], "note" in r
+    ('paris', True, 1.0, 0.9, False)
     """
-    golds = list(task.answers)
-    return {"id": task.id, "sample": sample, "source": task.meta.get("benchmark", ""), "question": task.question,
-            "answers": golds, "prediction": prediction, "status": status, "em": official_em(prediction, golds),
-            "f1": official_f1(prediction, golds), "lenient_em": exact_match(prediction, golds),
-            "lenient_f1": f1_score(prediction, golds), "answered": has_answer(prediction), "steps": steps,
-            "seconds": round(seconds, 3), "error": error}
-
-
-def record_from_episode(ep: Episode) -> dict:
-    """The record of a scored episode (evaluate.py's agent mode)."""
-    return make_record(ep.task, ep.sample, ep.final_answer, ep.status, len(ep.steps), ep.seconds, ep.error)
+    t = ep.task
+    return {"id": t.id, "sample": ep.sample, "source": str(t.meta.get("benchmark", "")), "question": t.question,
+            "answers": list(t.answers), "prediction": ep.final_answer, "status": ep.status,
+            "answered": has_answer(ep.final_answer), "steps": len(ep.steps), "seconds": round(ep.seconds, 3),
+            "error": ep.error, "reward": ep.reward, **{k: float(v) for k, v in ep.rewards.items() if is_number(v)}}
 
 
 def first_line(text: str) -> str:
@@ -99,36 +63,6 @@ def first_line(text: str) -> str:
 CORRECT, INCORRECT, NOT_ATTEMPTED, UNPARSED = "correct", "incorrect", "not_attempted", "unparsed"
 GRADES = (CORRECT, INCORRECT, NOT_ATTEMPTED, UNPARSED)
 _LETTER = dict(zip("ABC", GRADES))
-
-JUDGE_PROMPT = """You are grading an answer to a factual question. Compare the predicted answer with the gold \
-answer and choose one grade.
-
-A) CORRECT: the predicted answer contains the gold answer's meaning and says nothing that contradicts it. \
-Differences in capitalisation, punctuation, word order, spelling of names, or extra context that does not \
-contradict the gold answer are fine. A number must match the gold answer to the precision the question \
-asks for (e.g. "about 3,500" is fine for "3,518" only if the question does not ask for an exact figure). \
-Hedged answers are correct only if the hedge still commits to the gold answer.
-B) INCORRECT: the predicted answer contradicts the gold answer, names a different entity, date or number, \
-or lists several candidates of which some are wrong.
-C) NOT_ATTEMPTED: the predicted answer does not commit to any answer (e.g. "I don't know", "I could not \
-find it", an empty answer, or only a restatement of the question), and contradicts nothing.
-
-Judge only whether the predicted answer matches the gold answer; do not use your own knowledge to \
-second-guess the gold answer.
-
-Question: {question}
-Gold answer: {gold}
-Predicted answer: {predicted}
-
-Reply with one letter, A, B or C, and nothing else."""
-
-
-def judge_prompt(question: str, gold: str | Iterable[str], predicted: str | None) -> str:
-    """The grader prompt; several gold aliases are joined with " | "."""
-    gold_text = gold if isinstance(gold, str) else " | ".join(gold)
-    return JUDGE_PROMPT.format(question=question.strip(), gold=gold_text.strip(),
-                               predicted=(predicted or "").strip() or "(no answer)")
-
 
 class JudgeParseError(ValueError):
     """The judge's reply names no grade; the message quotes the reply."""
@@ -160,19 +94,21 @@ def parse_grade(reply: str) -> str:
     raise JudgeParseError(f"no grade (A/B/C) in judge reply: {reply[:300]!r}")
 
 
-async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]], judge: str, retries: int = 1) -> dict:
+async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]], judge: str,
+                       prompt: Callable[[str, list, str], str], retries: int = 1) -> dict:
     """Grade a record's prediction with an LLM: {"grade": correct | incorrect | not_attempted | unparsed,
     "judge": `judge` (the judge model's name, kept so that another judge grades again), "judge_error": ""}.
+    `prompt(question, golds, prediction)` is the environment's grader prompt (`TaskEnv.judge_prompt`);
     `generate_text(prompt) -> reply` is any async text generator (a chat endpoint, the inference client).
     An unanswered prediction is not attempted without a call. A reply that names no grade is asked again
     up to `retries` times, then is "unparsed" (simple-evals would count it not attempted; here it is
     counted apart and the summary says how many), quoted in judge_error."""
     fields = {"grade": NOT_ATTEMPTED, "judge": judge, "judge_error": ""}
     if has_answer(rec["prediction"]):
-        prompt = judge_prompt(rec["question"], rec["answers"], rec["prediction"])
+        text = prompt(rec["question"], rec["answers"], rec["prediction"])
         for _ in range(retries + 1):
             try:
-                return fields | {"grade": parse_grade(await generate_text(prompt)), "judge_error": ""}
+                return fields | {"grade": parse_grade(await generate_text(text)), "judge_error": ""}
             except JudgeParseError as e:
                 fields |= {"grade": UNPARSED, "judge_error": str(e)}
     return fields
@@ -303,29 +239,34 @@ def two_proportion_z_test(c1: float, n1: int, c2: float, n2: int) -> tuple[float
 
 
 # --------------------------------------------------------------------------------- the summary
-def summarize(records: list[dict], k: int | None = None, judged: bool = False) -> dict:
-    """Aggregate metrics of finished samples (pure, exact): evaluate.py's one scoring path.
+def summarize(records: list[dict], metrics: tuple[str, ...] | list[str], k: int | None = None,
+              judged: bool = False) -> dict:
+    """Aggregate numbers of finished samples (pure, exact): the one summary of held-out results (evaluate.py,
+    train.py's and rollout.py's evaluations).
 
-    Each question weighs the same: a metric is averaged over a question's samples, then over
-    questions. `em_ci` is the 95% Wilson interval of EM over the questions (exact for one sample per
-    question). pass@k uses the question's n samples (k = min(k, n); k defaults to the most samples
-    any question has). `judged`: add the SimpleQA judge rates (every record must then carry a grade;
-    "unparsed" ones count in no rate but their own). `steps` is None when a record has none (direct
-    mode). Records of several sources (`source`, by `benchmark_key`) are also summarised per source,
-    under "sources", with their mean under "source_avg".
+    Each question weighs the same: a number is averaged over a question's samples, then over questions.
+    `metrics` are the environment's (its first is the headline: 0 or 1 per sample): each one's mean; the
+    headline's as "score" with "successes" (score x questions) and its 95% Wilson interval "score_ci" over
+    the questions (exact for one sample per question), and pass@k (k = min(k, the question's samples);
+    default: the most samples any question has). `judged`: the judge's rates (every record must then
+    carry a grade; "unparsed" ones count in no rate but their own). `steps` is None when a record has none
+    (direct mode). Records of several sources are also summarised per source, under "sources", with their
+    mean under "source_avg".
 
-    >>> rec = lambda i, s, em, ans=True: {"id": i, "sample": s, "em": em, "f1": em, "lenient_em": em,
-    ...                                   "lenient_f1": em, "answered": ans, "status": "answered", "steps": 2}
-    >>> m = summarize([rec("a", 0, 1.0), rec("a", 1, 0.0), rec("b", 0, 0.0), rec("b", 1, 0.0, False)])
-    >>> m["questions"], m["k"], m["em"], m["pass_at_k"], m["answered"], m["not_attempted"]
-    (2, 2, 0.25, 0.5, 0.75, 0.25)
+    >>> rec = lambda i, s, em, ans=True: {"id": i, "sample": s, "em": em, "answered": ans, "status": "answered",
+    ...                                   "steps": 2, "reward": em}
+    >>> m = summarize([rec("a", 0, 1.0), rec("a", 1, 0.0), rec("b", 0, 0.0), rec("b", 1, 0.0, False)], ["em"])
+    >>> m["n"], m["k"], m["score"], m["successes"], m["pass_at_k"], m["answered"], m["not_attempted"]
+    (2, 2, 0.25, 0.5, 0.5, 0.75, 0.25)
     """
     by_q: dict[str, list[dict]] = {}
     for r in records:
         by_q.setdefault(r["id"], []).append(r)
     if not by_q:
         raise ValueError("summarize: no records")
-    per_q = list(by_q.values())
+    if not metrics:
+        raise ValueError("summarize: no metrics (the environment's `metrics`; the first is the headline)")
+    per_q, head = list(by_q.values()), metrics[0]
     k = k or max(map(len, per_q))
 
     def qmean(fn) -> float:
@@ -334,15 +275,16 @@ def summarize(records: list[dict], k: int | None = None, judged: bool = False) -
     def rate_pass_at_k(correct) -> float:
         return sum(pass_at_k(len(rs), sum(map(correct, rs)), min(k, len(rs))) for rs in per_q) / len(per_q)
 
-    answered = qmean(lambda r: float(r["answered"]))
-    m = {"questions": len(per_q), "samples": len(records), "k": k,
-         **{key: qmean(lambda r, key=key: float(r[key])) for key in ("em", "f1", "lenient_em", "lenient_f1")}}
-    m.update(em_ci=wilson_interval(min(m["em"] * len(per_q), len(per_q)), len(per_q)),
-             pass_at_k=rate_pass_at_k(lambda r: r["em"] == 1.0), answered=answered,
-             not_attempted=1.0 - answered,  # no answer submitted (the judge's own rate is under "judge")
+    m = {"n": len(per_q), "samples": len(records), "k": k, "metric": head,
+         **{key: qmean(lambda r, key=key: float(r.get(key, 0.0))) for key in metrics}}
+    m.update(score=m[head], successes=m[head] * len(per_q), score_ci=list(wilson_interval(min(m[head] * len(per_q),
+             len(per_q)), len(per_q))), pass_at_k=rate_pass_at_k(lambda r: float(r.get(head, 0.0)) == 1.0),
+             answered=qmean(lambda r: float(r["answered"])),
+             reward=qmean(lambda r: float(r.get("reward", 0.0))),
              steps=None if any(r.get("steps") is None for r in records) else qmean(lambda r: float(r["steps"])),
              incomplete_questions=sum(len(rs) < k for rs in per_q),
-             status=dict(sorted(Counter(r["status"] for r in records).items())))
+             status=dict(sorted(Counter(r["status"] for r in records).items())))  # fmt: skip
+    m["not_attempted"] = 1.0 - m["answered"]  # no answer submitted (the judge's own rate is under "judge")
     if judged:
         if missing := [r["id"] for r in records if r.get("grade") not in GRADES]:
             raise ValueError(f"summarize(judged=True): {len(missing)} records have no grade, e.g. {missing[0]!r}")
@@ -352,12 +294,25 @@ def summarize(records: list[dict], k: int | None = None, judged: bool = False) -
                       "f_score": 2 * aga * c / (aga + c) if aga + c > 0 else 0.0,
                       "pass_at_k": rate_pass_at_k(lambda r: r["grade"] == CORRECT), "unparsed": unparsed,
                       "unparsed_samples": sum(r["grade"] == UNPARSED for r in records)}
-    sources = sorted({benchmark_key(r.get("source", "")) for r in records})
+    sources = sorted({str(r.get("source", "")).strip().lower() for r in records})
     if len(sources) > 1:
-        m["sources"] = {s: summarize([r for r in records if benchmark_key(r.get("source", "")) == s], k, judged)
-                        for s in sources}  # fmt: skip
-        m["source_avg"] = {key: sum(sm[key] for sm in m["sources"].values()) / len(sources) for key in ("em", "f1")}
+        m["sources"] = {s: summarize([r for r in records if str(r.get("source", "")).strip().lower() == s], metrics, k,
+                                     judged) for s in sources}  # fmt: skip
+        m["source_avg"] = {key: sum(sm[key] for sm in m["sources"].values()) / len(sources) for key in metrics}
     return m
+
+
+def summarize_episodes(episodes: list[Episode], envs: dict) -> dict[str, dict]:
+    """Held-out episodes (train.py, rollout.py) summarised per environment, by its metrics, and with several
+    environments "all" too, whose headline is "solved" (each episode's own environment's headline was 1).
+    Masked episodes count as failures."""
+    recs = [record(ep) | {"solved": float(float(ep.rewards.get(envs[ep.task.env].metrics[0], 0.0)) == 1.0),
+                          "id": f"{ep.task.env}/{ep.task.id}"} for ep in episodes]  # fmt: skip
+    names = sorted({ep.task.env for ep in episodes})
+    if len(names) == 1:
+        return {"all": summarize(recs, envs[names[0]].metrics)}
+    return {name: summarize([r for r, ep in zip(recs, episodes) if ep.task.env == name], envs[name].metrics)
+            for name in names} | {"all": summarize(recs, ["solved"])}
 
 
 def _pct(v: float) -> str:
@@ -365,34 +320,57 @@ def _pct(v: float) -> str:
 
 
 def format_summary(m: dict) -> str:
-    """One line of a summary's headline numbers, in percent.
+    """One line of a summary's headline numbers, rates in percent.
 
-    >>> print(format_summary(summarize([{"id": "a", "sample": 0, "em": 1.0, "f1": 1.0, "lenient_em": 1.0,
-    ...     "lenient_f1": 1.0, "answered": True, "status": "answered", "steps": 3}])))
-    EM 100.0 (95% CI 20.7-100.0) | F1 100.0 | lenient EM 100.0 | answered 100.0 | 1 questions x 1 samples
+    >>> print(format_summary(summarize([{"id": "a", "sample": 0, "em": 1.0, "f1": 0.5, "answered": True,
+    ...     "status": "answered", "steps": 3, "reward": 0.9}], ["em", "f1"])))
+    EM 100.0 (95% CI 20.7-100.0) | F1 50.0 | answered 100.0 | reward 0.900 | 1 questions x 1 samples
     """
-    parts = [f"EM {_pct(m['em'])} (95% CI {_pct(m['em_ci'][0])}-{_pct(m['em_ci'][1])})", f"F1 {_pct(m['f1'])}",
-             f"lenient EM {_pct(m['lenient_em'])}", f"answered {_pct(m['answered'])}"]
+    parts = [f"{label(m['metric'])} {_pct(m['score'])} (95% CI {_pct(m['score_ci'][0])}-{_pct(m['score_ci'][1])})"]
+    parts += [f"{label(key)} {_pct(m[key])}" for key in _metrics(m)[1:]]
+    parts += [f"answered {_pct(m['answered'])}", f"reward {m['reward']:.3f}"]
     if m["k"] > 1:
         parts.append(f"pass@{m['k']} {_pct(m['pass_at_k'])}")
     if m.get("judge"):
         parts.append(f"judge accuracy {_pct(m['judge']['accuracy'])}")
         if m["judge"].get("unparsed_samples"):
             parts.append(f"{m['judge']['unparsed_samples']} judge replies unparsed")
-    return " | ".join(parts + [f"{m['questions']} questions x {m['k']} samples"])
+    return " | ".join(parts + [f"{m['n']} questions x {m['k']} samples"])
+
+
+_KEYS = {"n", "samples", "k", "metric", "score", "successes", "score_ci", "pass_at_k", "answered", "reward", "steps",
+         "incomplete_questions", "status", "not_attempted", "judge", "sources", "source_avg"}
+
+
+def _metrics(m: dict) -> list[str]:
+    """A summary's metrics, in the environment's order (the headline first)."""
+    return [m["metric"]] + [k for k in m if k not in _KEYS and k != m["metric"]]
 
 
 # -------------------------------------------------------------------------------------- tables
-# (header, the summary row's key(s) of the cell, format); text columns left-aligned; judge.* only when judged
-COLUMNS = [
-    ("model", "model", None), ("mode", "mode", None), ("bench", "bench", None), ("n", "questions", str),
-    ("EM", "em", _pct), ("95% CI", "em_ci", lambda v: f"{_pct(v[0])}-{_pct(v[1])}"), ("F1", "f1", _pct),
-    ("lenient EM", "lenient_em", _pct), ("judge acc", "judge.accuracy", _pct),
-    ("acc|attempted", "judge.accuracy_given_attempted", _pct), ("judge F", "judge.f_score", _pct),
-    ("not attempted", "judge.not_attempted", _pct), ("unparsed", "judge.unparsed", _pct), ("pass@k", "pass_at_k", _pct),
-    ("answered", "answered", _pct),
-    ("steps", "steps", lambda v: f"{v:.2f}"), ("wall", "wall_s", lambda v: f"{v:.0f} s" if v >= 10 else f"{v:.1f} s"),
-]
+def markdown_table(rows: list[dict]) -> str:
+    """One row per evaluation run (a summary.json's object): its environment's metrics (the headline with its
+    95% interval), the judge's columns where a row was judged, pass@k, answered, steps, wall time.
+
+    >>> m = summarize([{"id": "a", "sample": 0, "em": 1.0, "answered": True, "status": "answered", "steps": 2},
+    ...                {"id": "b", "sample": 0, "em": 0.0, "answered": True, "status": "answered", "steps": 3}], ["em"])
+    >>> print(markdown_table([{"model": "m", "mode": "agent", "bench": "hotpotqa", "metrics": m, "wall_s": 3.21}]))
+    | model | mode | bench | n | EM | 95% CI | pass@1 | answered | steps | wall |
+    | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+    | m | agent | hotpotqa | 2 | 50.0 | 9.5-90.5 | 50.0 | 100.0 | 2.50 | 3.2 s |
+    """
+    names = list(dict.fromkeys(k for r in rows for k in _metrics(r["metrics"])))
+    judged = any(r["metrics"].get("judge") for r in rows)
+    ks = sorted({r["metrics"].get("k", 1) for r in rows})
+    cols = [("model", "model", None), ("mode", "mode", None), ("bench", "bench", None), ("n", "n", str),
+            *[(label(k), k, _pct) for k in names[:1]], ("95% CI", "score_ci", lambda v: f"{_pct(v[0])}-{_pct(v[1])}"),
+            *[(label(k), k, _pct) for k in names[1:]],
+            *[(h, "judge." + key, _pct) for h, key in (("judge acc", "accuracy"), ("acc|attempted", "accuracy_given_attempted"),
+              ("judge F", "f_score"), ("not attempted", "not_attempted"), ("unparsed", "unparsed")) if judged],
+            (f"pass@{ks[0]}" if len(ks) == 1 else "pass@k", "pass_at_k", _pct), ("answered", "answered", _pct),
+            ("steps", "steps", lambda v: f"{v:.2f}"), ("wall", "wall_s", lambda v: f"{v:.0f} s" if v >= 10 else f"{v:.1f} s")]  # fmt: skip
+    lines = [_line(h for h, _, _ in cols), _line("---" if fmt is None else "---:" for *_, fmt in cols)]
+    return "\n".join(lines + [_line(_cell(r, key, fmt) for _, key, fmt in cols) for r in rows])
 
 
 def _cell(row: dict, key: str, fmt) -> str:
@@ -403,65 +381,5 @@ def _cell(row: dict, key: str, fmt) -> str:
     return "-" if value is None else (fmt or str)(value)
 
 
-def markdown_table(rows: list[dict]) -> str:
-    """One row per evaluation run (a summary.json's object), one column per COLUMNS entry (the judge
-    ones only if a row was judged). Rates are percentages.
-
-    >>> m = {"questions": 2, "em": 0.5, "em_ci": [0.1, 0.9], "f1": 0.75, "lenient_em": 0.5, "pass_at_k": 0.5,
-    ...      "answered": 1.0, "steps": 2.5, "k": 1}
-    >>> print(markdown_table([{"model": "m", "mode": "agent", "bench": "hotpotqa", "metrics": m, "wall_s": 3.21}]))
-    | model | mode | bench | n | EM | 95% CI | F1 | lenient EM | pass@1 | answered | steps | wall |
-    | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
-    | m | agent | hotpotqa | 2 | 50.0 | 10.0-90.0 | 75.0 | 50.0 | 50.0 | 100.0 | 2.50 | 3.2 s |
-    """
-    judged = any(r["metrics"].get("judge") for r in rows)
-    cols = [c for c in COLUMNS if judged or not c[1].startswith("judge.")]
-    ks = sorted({r["metrics"].get("k", 1) for r in rows})
-    headers = [f"pass@{ks[0]}" if h == "pass@k" and len(ks) == 1 else h for h, _, _ in cols]
-    lines = [_line(headers), _line("---" if fmt is None else "---:" for *_, fmt in cols)]
-    return "\n".join(lines + [_line(_cell(r, key, fmt) for _, key, fmt in cols) for r in rows])
-
-
 def _line(cells) -> str:
     return "| " + " | ".join(cells) + " |"
-
-
-def paper_table(summaries: list[dict]) -> str:
-    """Several runs as the papers lay them out: a row per (model, mode), a column per benchmark of
-    PAPER_ORDER present (a mixed run per source), EM in percent, then F1 in a table of its own; a judged
-    SimpleQA shows the judge's accuracy and F-score, which "Avg." (of EM, or F1) leaves out. A later
-    summary of the same model, mode and bench replaces an earlier.
-
-    >>> s = lambda b, em: {"model": "m", "mode": "agent", "bench": b, "metrics": {"em": em, "f1": em + 0.1}}
-    >>> print(paper_table([s("bamboogle", 0.2), s("hotpotqa", 0.4)]))
-    EM
-    | model | mode | HotpotQA | Bamboogle | Avg. |
-    | --- | --- | ---: | ---: | ---: |
-    | m | agent | 40.0 | 20.0 | 30.0 |
-    <BLANKLINE>
-    F1
-    | model | mode | HotpotQA | Bamboogle | Avg. |
-    | --- | --- | ---: | ---: | ---: |
-    | m | agent | 50.0 | 30.0 | 40.0 |
-    """
-    cells: dict[tuple[str, str], dict[str, dict]] = {}
-    for s in summaries:
-        for bench, m in (s["metrics"].get("sources") or {s["bench"]: s["metrics"]}).items():
-            cells.setdefault((s["model"], s["mode"]), {})[benchmark_key(bench)] = m
-    present = {b for row in cells.values() for b in row}
-    benches = [(b, name) for b, name, _ in PAPER_ORDER if b in present] + [(b, b) for b in sorted(present - set(_BENCHMARK))]
-    judged = {b for b, _ in benches if b == "simpleqa" and any(row.get(b, {}).get("judge") for row in cells.values())}
-    tables = []
-    for metric, judge_metric, title in (("em", "accuracy", "EM"), ("f1", "f_score", "F1")):
-        heads = [f"{name} {'acc' if metric == 'em' else 'F'}" if b in judged else name for b, name in benches]
-        lines = [title, _line(["model", "mode", *heads] + ["Avg."] * (len(benches) > 1)),
-                 _line(["---", "---"] + ["---:"] * (len(benches) + (len(benches) > 1)))]
-        for (model, mode), row in cells.items():
-            values = [None if b not in row else (row[b].get("judge") or {}).get(judge_metric) if b in judged else row[b][metric]
-                      for b, _ in benches]  # fmt: skip
-            if len(benches) > 1:
-                plain = [v for (b, _), v in zip(benches, values) if v is not None and b not in judged]
-                values.append(sum(plain) / len(plain) if plain else None)
-            lines.append(_line([model, mode] + ["-" if v is None else _pct(v) for v in values]))
-        tables.append("\n".join(lines))
-    return "\n\n".join(tables)

@@ -26,8 +26,10 @@ import re
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import NoReturn
 
-from l0_min.episode import ANSWERED, STATUSES, Episode
+from l0_min.episode import ANSWERED, STATUSES, Episode, is_number
+from l0_min.viewer import write_viewer
 
 
 class RunDir:
@@ -148,8 +150,8 @@ def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
     train = [ep for ep in episodes if not ep.masked]
     m: dict = {"episodes": n, "masked": n - len(train), "reward": _mean([ep.reward for ep in train])}
 
-    for k in sorted({k for ep in train for k, v in ep.rewards.items() if _is_number(v)}):
-        m[f"reward/{k}"] = _mean([float(ep.rewards[k]) for ep in train if _is_number(ep.rewards.get(k))])
+    for k in sorted({k for ep in train for k, v in ep.rewards.items() if is_number(v)}):
+        m[f"reward/{k}"] = _mean([float(ep.rewards[k]) for ep in train if is_number(ep.rewards.get(k))])
     for s in list(STATUSES) + sorted({ep.status for ep in episodes} - set(STATUSES)):
         m[f"status/{s}"] = sum(ep.status == s for ep in episodes)
     m["answered_rate"] = m[f"status/{ANSWERED}"] / n
@@ -176,60 +178,19 @@ def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
     return m
 
 
-# ------------------------------------------------------------------------------ held-out numbers
-def eval_summaries(episodes: list[Episode], envs: dict) -> dict[str, dict]:
-    """Held-out numbers per environment (and "all" over every episode when there are several): episodes n,
-    the headline metric's (the env's first) successes, rate "score" and Wilson 95% interval "score_ci", every
-    metric's mean, the answered rate and the mean reward. Masked episodes count as failures.
-
-    >>> from l0_min.episode import Task
-    >>> class QA: metrics = ("em", "f1")
-    >>> eps = [Episode(Task(str(i), "q", ["a"]), status="answered", reward=0.5, rewards={"em": i % 2, "f1": 1.0})
-    ...        for i in range(4)]
-    >>> m = eval_summaries(eps, {"qa": QA()})["all"]
-    >>> m["n"], m["successes"], m["score"], m["em"], m["f1"], [round(x, 3) for x in m["score_ci"]]
-    (4, 2, 0.5, 0.5, 1.0, [0.15, 0.85])
-    """
-    from l0_min.evaluation import wilson_interval
-
-    def summary(eps: list[Episode], metrics: tuple[str, ...]) -> dict:
-        n = len(eps)
-        ok = sum(float(ep.rewards.get(envs[ep.task.env].metrics[0], 0.0)) == 1.0 for ep in eps)
-        m = {"n": n, "successes": ok, "score": ok / n, "score_ci": list(wilson_interval(ok, n)),
-             "metric": metrics[0] if metrics else "solved"}
-        m |= {k: sum(float(ep.rewards.get(k, 0.0)) for ep in eps) / n for k in metrics}
-        return m | {"answered": sum(ep.status == ANSWERED for ep in eps) / n, "reward": sum(ep.reward for ep in eps) / n}
-
-    names = sorted({ep.task.env for ep in episodes})
-    if len(names) == 1:
-        return {"all": summary(episodes, envs[names[0]].metrics)}
-    return {name: summary([ep for ep in episodes if ep.task.env == name], envs[name].metrics) for name in names} \
-        | {"all": summary(episodes, ())}
+def fail(msg: str, code: int = 2) -> NoReturn:
+    """An entry script's end on bad input: one line naming the script, then exit `code`."""
+    print(f"{Path(sys.argv[0]).name}: error: {msg}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def label(metric: str) -> str:
-    """How tables name a metric: short ones in capitals (em -> EM)."""
-    return metric.upper() if len(metric) <= 3 else metric
+    """How tables name a metric: short words in capitals (em -> EM), an underscore as a space.
 
-
-def format_eval(m: dict) -> str:
-    """One line of an `eval_summaries` entry, rates in percent.
-
-    >>> print(format_eval({"n": 4, "score": 0.5, "score_ci": [0.15, 0.85], "metric": "em", "em": 0.5, "f1": 0.75,
-    ...                    "answered": 1.0, "reward": 0.5}))
-    EM 50.0 (95% CI 15.0-85.0) | F1 75.0 | answered 100.0 | 4 episodes | reward 0.500
+    >>> label("em"), label("official_em"), label("correct")
+    ('EM', 'official EM', 'correct')
     """
-    others = [f"{label(k)} {100 * m[k]:.1f}" for k in m if k not in _SUMMARY_KEYS and k != m["metric"]]
-    return " | ".join([f"{label(m['metric'])} {100 * m['score']:.1f} (95% CI {100 * m['score_ci'][0]:.1f}-"
-                       f"{100 * m['score_ci'][1]:.1f})", *others, f"answered {100 * m['answered']:.1f}",
-                       f"{m['n']} episodes", f"reward {m['reward']:.3f}"])
-
-
-_SUMMARY_KEYS = ("n", "successes", "score", "score_ci", "metric", "answered", "reward")
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    return " ".join(w.upper() if len(w) <= 3 else w for w in metric.split("_"))
 
 
 # ---------------------------------------------------------------------------------------- sinks
@@ -292,7 +253,7 @@ class MetricsLogger:
     def log(self, step: int, metrics: dict) -> None:
         record = {"step": step, **_jsonable(metrics)}
         write_jsonl(self._file, record)
-        scalars = {k: v for k, v in record.items() if k != "step" and _is_number(v)}
+        scalars = {k: v for k, v in record.items() if k != "step" and is_number(v)}
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, step)
@@ -321,7 +282,6 @@ def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episo
     """Rank 0's record of one RL step (train.py): its metrics, its trajectories file, its row of the table
     (`table`: the training environments' names and the environments, as for `step_header`), the plot and
     the viewer (appended to: l0_min.viewer)."""
-    from l0_min.viewer import write_viewer
 
     logger.log(step, metrics)
     run.write_trajectories(step, episodes)
@@ -339,9 +299,9 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
     from matplotlib.figure import Figure  # no pyplot: no global backend, safe in any process
     from matplotlib.ticker import MaxNLocator
 
-    records = [r for r in read_jsonl(metrics_jsonl) if _is_number(r.get("step"))]
-    sft = [r for r in records if r.get("phase") == "sft" and _is_number(r.get("train/loss"))]
-    rl = [r for r in records if r.get("phase", "rl") == "rl" and _is_number(r.get("reward"))]
+    records = [r for r in read_jsonl(metrics_jsonl) if is_number(r.get("step"))]
+    sft = [r for r in records if r.get("phase") == "sft" and is_number(r.get("train/loss"))]
+    rl = [r for r in records if r.get("phase", "rl") == "rl" and is_number(r.get("reward"))]
     fig = Figure(figsize=(13, 3.8), dpi=100, layout="constrained")
     axes = fig.subplots(1, 3)
     metric = next((r["eval/metric"] for r in reversed(records) if isinstance(r.get("eval/metric"), str)), "score")
@@ -355,12 +315,12 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
                 ax.axvspan(min(steps) - 1, max(steps), color=color, alpha=0.07, label=phase)
 
     def line(ax, rs, key, name, **kw):
-        pts = [(r["step"], r[key]) for r in rs if _is_number(r.get(key))]
+        pts = [(r["step"], r[key]) for r in rs if is_number(r.get(key))]
         if pts:
             ax.plot(*zip(*pts), label=name, marker="o" if len(pts) <= 40 else None, markersize=3, **kw)
 
     for key, mode, shift in (("eval/score", "sampled", -0.08), ("eval/greedy/score", "greedy", 0.08)):
-        pts = [(r["step"], r[key], r.get(key + "_ci") or [r[key]] * 2) for r in records if _is_number(r.get(key))]
+        pts = [(r["step"], r[key], r.get(key + "_ci") or [r[key]] * 2) for r in records if is_number(r.get(key))]
         if pts:
             xs, ys, cis = zip(*pts)
             err = [[max(0.0, y - c[0]) for y, c in zip(ys, cis)], [max(0.0, c[1] - y) for y, c in zip(ys, cis)]]
@@ -378,7 +338,7 @@ def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
             ax.text(0.5, 0.5, "no data yet", ha="center", va="center", transform=ax.transAxes, color="gray")
         elif ax.get_legend_handles_labels()[0]:
             ax.legend(loc="best", fontsize=8)
-    n_eval = len({r["step"] for r in records if _is_number(r.get("eval/score"))})
+    n_eval = len({r["step"] for r in records if is_number(r.get("eval/score"))})
     fig.suptitle(f"{Path(metrics_jsonl).parent.name}: {len(sft)} SFT steps, {len(rl)} RL steps, {n_eval} evaluations",
                  fontsize=11)
     out_png = Path(out_png)
@@ -425,4 +385,4 @@ def format_step_row(step: int, metrics: dict, names: list[str], envs: dict) -> s
          3   0.500  0.250      -      -        -       -    12.3
     """
     cells = [(step if key is None else metrics.get(key), w, f) for _, key, w, f in _columns(names, envs)]
-    return "".join(f"{v:>{w}{f}}" if _is_number(v) else f"{'-':>{w}}" for v, w, f in cells)
+    return "".join(f"{v:>{w}{f}}" if is_number(v) else f"{'-':>{w}}" for v, w, f in cells)

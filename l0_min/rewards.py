@@ -1,4 +1,4 @@
-"""The training reward: the L0 reward terms (the answer normalisation, EM and F1 of QA: l0_min/envs/qa.py).
+"""The training reward: the L0 reward terms (the answer reward of each environment: l0_min/answers.py).
 
 The RL reward of one episode (defaults of `RewardConfig`):
 
@@ -18,25 +18,7 @@ from typing import Iterable
 from l0_min.config import RewardConfig
 from l0_min.episode import Episode
 
-def has_answer(prediction: str | None) -> bool:
-    """A final answer was submitted and has a letter or a digit (not blank, not only punctuation).
-
-    >>> has_answer("  "), has_answer(None), has_answer("|"), has_answer("0"), has_answer("A+")
-    (False, False, False, True, True)
-    """
-    return prediction is not None and any(ch.isalnum() for ch in prediction)
-
-
-def answer_reward(prediction: str | None, correct: float, em_weight: float = 0.9, has_answer_weight: float = 0.1) -> float:
-    """L0's final-answer reward: 0.9 * correct (QA: EM) + 0.1 * has_answer, the `core` of the environments.
-
-    >>> answer_reward("Paris", 1.0), answer_reward("Lyon", 0.0), answer_reward(None, 0.0)
-    (1.0, 0.1, 0.0)
-    """
-    return em_weight * float(correct) + has_answer_weight * float(has_answer(prediction))
-
-
-_THINK = re.compile(r"<think>(.*?)</think>", re.S)
+THINK = re.compile(r"<think>(.*?)</think>", re.S)  # the agent splits actions with it too
 _CODE = re.compile(r"<code>(.*?)</code>", re.S)
 
 
@@ -61,7 +43,7 @@ def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5, f
     """
     opened = action.count("<code>") == action.count("</code>") + 1
     text = action + "</code>" if opened and action.rfind("<code>") > action.rfind("</code>") else action
-    thinks, codes = _THINK.findall(text), _CODE.findall(text)
+    thinks, codes = THINK.findall(text), _CODE.findall(text)
     return (finish_reason != "length" and len(thinks) == 1 and len(codes) == 1 and text.count("<think>") == 1
             and text.count("<code>") == 1 and text.index("</think>") < text.index("<code>")
             and len(thinks[0].strip()) > min_think_chars and len(codes[0].strip()) > min_code_chars)
@@ -108,9 +90,11 @@ def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
     An episode without steps gets only its answer term.
     """
     scores = env.score(ep)
-    core = float(scores["core"])
-    if not 0.0 <= core <= 1.0:
-        raise ValueError(f"env {env.name!r}: score()['core'] must be in [0, 1], got {core}")
+    core = scores.get("core") if isinstance(scores, dict) else None
+    if not (isinstance(core, (int, float)) and not isinstance(core, bool) and 0.0 <= core <= 1.0):
+        raise ValueError(f"env {env.name!r}: score() of task {ep.task.id!r} returned {str(scores)[:200]}: expected a dict "
+                         "whose 'core' is a number in [0, 1]")  # fmt: skip
+    core = float(core)
     n, m = len(ep.steps), sum(1 for s in ep.steps if s.exec_ok is not None)
     for i, s in enumerate(ep.steps):
         s.format_ok = format_ok(s.action_text, cfg.min_think_chars, cfg.min_code_chars, s.finish_reason)

@@ -263,19 +263,12 @@ def parse_serper(data: dict, k: int) -> list[dict]:
 
 
 def make_backend(cfg: ToolsConfig, docs: list[dict] | None = None, env: dict | None = None):
-    """The backend named by `cfg.search` (None for "none").
-
-    bm25 indexes `cfg.corpus` if set, else `docs` (e.g. `envs.qa.corpus_from_tasks(tasks)`).
-    serper needs its API key in the environment variable the config names.
-    """
+    """The backend named by `cfg.search` (None for "none"): bm25 indexes `docs`, the environments' corpora
+    (`TaskEnv.corpus`); serper needs its API key in the environment variable the config names."""
     env = os.environ if env is None else env
     if cfg.search == "none":
         return None
     if cfg.search == "bm25":
-        if cfg.corpus:
-            from l0_min.envs.qa import load_corpus
-
-            docs = load_corpus(cfg.corpus)
         if not docs:
             raise ValueError("tools.search=bm25 needs documents: set tools.corpus to a corpus file, or use a task "
                              "source that carries its paragraphs (synthetic, hotpotqa, musique)")

@@ -26,8 +26,7 @@ import re
 from html import escape
 from pathlib import Path
 
-from l0_min.episode import STATUSES
-from l0_min.log import _is_number
+from l0_min.episode import STATUSES, is_number
 
 
 def _e(x) -> str:
@@ -35,7 +34,7 @@ def _e(x) -> str:
 
 
 def _num(x, fmt: str = ".3g") -> str:
-    return format(x, fmt) if _is_number(x) else "-"
+    return format(x, fmt) if is_number(x) else "-"
 
 
 def _mean(xs: list) -> str:
@@ -101,7 +100,7 @@ def _episode_html(ep: dict, group: str) -> str:
                f'<span class="ns">{len(steps)} step{"" if len(steps) == 1 else "s"}</span>'
                + ('<span class="badge masked">masked</span>' if ep.get("masked") else ""))
     chips = f'<span class="chip total">reward {_num(ep.get("reward"))}</span>' + "".join(
-        f'<span class="chip">{_e(k)} {_num(v) if _is_number(v) else _e(v)}</span>' for k, v in rewards.items())
+        f'<span class="chip">{_e(k)} {_num(v) if is_number(v) else _e(v)}</span>' for k, v in rewards.items())
     tools = ", ".join(f"{_e(k)}×{_e(v)}" for k, v in (ep.get("tool_calls") or {}).items()) or "none"
     facts = [("question", f'<span class="qfull">{_e(task.get("question"))}</span>'),
              ("gold", " | ".join(f"<b>{_e(a)}</b>" for a in task.get("answers") or []) or "-"),

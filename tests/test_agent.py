@@ -13,6 +13,7 @@ import pytest_asyncio
 from l0_min.agent import parse_action, run_episode
 from l0_min.config import Config
 from l0_min.envs.qa import QA, SYSTEM_PROMPT, WORKED_EXAMPLE
+from l0_min.rewards import score_episode
 from l0_min.episode import (
     ANSWERED,
     ENV_ERROR,
@@ -55,6 +56,7 @@ async def fake_episode(actions, cfg=None, **policy_kw):
     policy = ScriptedPolicy(actions, **policy_kw)
     cfg = cfg or config()
     ep = await run_episode(TASK, QA(cfg), policy, kernel, tools, TOK, cfg)
+    score_episode(ep, cfg.reward, QA(cfg))  # as the collector does: the reward judges each step's format
     return ep, policy, kernel
 
 
@@ -79,20 +81,19 @@ def test_system_prompt_explains_the_format_and_tools():
 
 
 def test_parse_action_variants():
-    # format_ok is the reward's rule (rewards.format_ok): a <think> of more than 10 characters, then one
-    # <code> block of more than 5; the code of a closed block runs even when the format is wrong
+    # the code of a closed block runs even when the format is wrong (the reward's rule: test_rewards.py)
     p = parse_action("<think>plan the steps</think>\n<code>x = 1\nprint(x)</code>")
-    assert (p.think, p.code, p.format_ok, p.error) == ("plan the steps", "x = 1\nprint(x)", True, "")
+    assert (p.think, p.code, p.error) == ("plan the steps", "x = 1\nprint(x)", "")
     p = parse_action("<think>plan the steps</think><code>\n```python\nprint(2)\n```\n</code>")
-    assert p.code == "print(2)" and p.format_ok
+    assert p.code == "print(2)"
     p = parse_action("<think>plan</think>\n<code>x = 1\nprint(x)</code>")  # a think of 4 characters
-    assert p.code == "x = 1\nprint(x)" and not p.format_ok and p.error == ""
+    assert p.code == "x = 1\nprint(x)" and p.error == ""
     p = parse_action("<code>print(3)</code>")  # runs, but the format is wrong
-    assert p.code == "print(3)" and not p.format_ok and "think" in p.error
+    assert p.code == "print(3)" and "think" in p.error
     p = parse_action("<think>plan the steps</think><code>print(4)", "length")
-    assert p.code == "" and not p.format_ok and "cut off by the token limit" in p.error
+    assert p.code == "" and "cut off by the token limit" in p.error
     p = parse_action("<think>plan the steps</think><code>print(5)", "stop", "</code>")  # server trimmed the stop string
-    assert p.code == "print(5)" and p.format_ok
+    assert p.code == "print(5)"
     p = parse_action("<think>t</think><code>print(6)", "stop", 1)  # EOS before </code>
     assert p.code == "" and "not closed" in p.error
     p = parse_action("I think the answer is 42.")
@@ -369,7 +370,9 @@ async def real_episode(env, actions, cfg, task=ZTASK):
     pool, server = env
     kernel = await pool.acquire()
     try:
-        return await run_episode(task, QA(cfg), ScriptedPolicy(actions), kernel, server, TOK, cfg)
+        ep = await run_episode(task, QA(cfg), ScriptedPolicy(actions), kernel, server, TOK, cfg)
+        score_episode(ep, cfg.reward, QA(cfg))
+        return ep
     finally:
         await pool.release(kernel)
 

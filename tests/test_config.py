@@ -50,3 +50,19 @@ def test_every_shipped_config_file_loads():
     assert files, "configs/ has no yaml files"
     for f in files:
         resolve(config_file=f)
+
+
+def test_an_environment_s_settings_merge_and_round_trip(tmp_path):
+    """Issue 37: settings of one environment live under envs.<name> (QA's: envs.qa.entities, answer_metric), not in
+    shared sections; a file and overrides merge key by key, the environment checks them (test_rewards.py)."""
+    f = tmp_path / "x.yaml"
+    f.write_text("envs:\n  qa: {entities: 160}\n  letters: {alphabet: abc}\n")
+    cfg = resolve(["envs.qa.answer_metric=f1", "envs.math.x=1"], config_file=f)
+    assert cfg.envs == {"qa": {"entities": 160, "answer_metric": "f1"}, "letters": {"alphabet": "abc"}, "math": {"x": 1}}
+    save(cfg, tmp_path / "config.yaml")
+    assert resolve(config_file=tmp_path / "config.yaml") == cfg
+    with pytest.raises(ConfigError, match="envs.qa: expected a mapping of that environment's settings, got 3"):
+        resolve(["envs.qa=3"])
+    with pytest.raises(ConfigError, match="unknown key 'data.synthetic_entities'"):
+        resolve(["data.synthetic_entities=160"])  # moved to envs.qa.entities
+    assert Config().envs == {} and Config().envs is not Config().envs

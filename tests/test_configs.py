@@ -26,7 +26,7 @@ def swaps(cfg: configlib.Config, out_dir: Path) -> list[str]:
         "inference.weights_dir=",  # a shared file system of a multi-node run -> the run folder
         "learner.device=cpu",  # learner.device: cuda stops at start-up without CUDA (tested in test_learner.py)
         "data.train=synthetic:train", "data.eval=synthetic:heldout",  # the tiny synthetic world
-        "data.synthetic_entities=40", "data.synthetic_tasks=64",
+        "envs.qa.entities=40", "data.synthetic_tasks=64",
         # budgets: two RL steps of 2 groups x 2 episodes of 2 short turns; SFT and evaluations kept, shrunk
         "run.steps=2", f"run.out_dir={out_dir}", "rollout.batch_size=2", "rollout.n_samples=2",
         shrink("agent.max_steps", 2), shrink("sampling.max_new_tokens", 24), shrink("agent.min_action_tokens", 24),

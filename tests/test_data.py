@@ -303,7 +303,7 @@ def test_qa_env_synthetic_splits():
     from l0_min.config import Config
     from l0_min.envs.qa import QA
 
-    cfg = Config(data=DataConfig(synthetic_seed=1, synthetic_entities=30, synthetic_tasks=80))
+    cfg = Config(data=DataConfig(synthetic_seed=1, synthetic_tasks=80), envs={"qa": {"entities": 30}})
     env = QA(cfg)
     all_ = env.tasks("synthetic")
     train, held = env.tasks("synthetic:train"), env.tasks("synthetic:heldout")

@@ -13,15 +13,8 @@ import pytest
 
 from l0_min import config as configlib
 from l0_min.envs import load_env
-from l0_min.envs.math import (
-    KINDS,
-    calc,
-    expert_actions,
-    make_tasks,
-    number_text,
-    numbers_equal,
-    parse_number,
-)
+from l0_min.answers import numbers_equal, parse_number
+from l0_min.envs.math import KINDS, calc, expert_actions, make_tasks, number_text
 from l0_min.episode import Episode
 
 ROOT = Path(__file__).resolve().parents[1]

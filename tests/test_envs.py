@@ -12,7 +12,7 @@ import pytest
 
 from l0_min import config as configlib
 from l0_min.collect import TaskStream
-from l0_min.envs import load_env, load_sources, setup_cell
+from l0_min.envs import load_env, load_sources, setup_cells
 from tests.test_train import ROOT, _env
 
 README_ENV = re.search(r"### Write your own environment.*?```python\n(.*?)```", (ROOT / "README.md").read_text(),
@@ -43,7 +43,7 @@ def test_sources_carry_their_environment_and_weights(tmp_path, monkeypatch):
     (tmp_path / "letters_env.py").write_text(README_ENV)
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = configlib.resolve(["data.train=[{source: synthetic:train}, {source: 'words:train', env: letters_env, weight: 3}]",
-                             "data.synthetic_tasks=40", "data.synthetic_entities=20"])
+                             "data.synthetic_tasks=40", "envs.qa.entities=20"])
     parts, weights, envs = load_sources(cfg.data.train, cfg)
     assert sorted(envs) == ["letters_env", "qa"] and weights == [1.0, 3.0]
     assert {t.env for t in parts[0]} == {"qa"} and {t.env for t in parts[1]} == {"letters_env"}
@@ -67,15 +67,32 @@ def test_sources_carry_their_environment_and_weights(tmp_path, monkeypatch):
             load_sources(configlib.resolve([f"data.train=[{bad}]"]).data.train, cfg)
 
 
-def test_setup_cell_writes_files_and_drops_tools_and_refuses_odd_paths(tmp_path, monkeypatch):
+def test_setup_cells_write_files_in_pieces_and_drop_tools_and_refuse_odd_paths(tmp_path, monkeypatch):
+    """Issue 37: a workspace over the kernel's 2 MiB message cap is written in cells of at most SETUP_CHUNK
+    characters (one cell stalled to kernel.exec_timeout before); a name over 255 bytes is refused with that
+    reason (the error's echo of the file cut the cause off)."""
+    from l0_min.envs import SETUP_CHUNK
+    from l0_min.sandbox.kernel import MAX_FRAME
+
     monkeypatch.chdir(tmp_path)
     ns = {"web_search": 1, "read_page": 2}
-    exec(setup_cell({"logs/app.log": "a\nb\n", "x.csv": "q,'\"\\n"}, ("web_search",)), ns)
+    for cell in setup_cells({"logs/app.log": "a\nb\n", "x.csv": "q,'\"\\n"}, ("web_search",)):
+        exec(cell, ns)
     assert (tmp_path / "logs/app.log").read_text() == "a\nb\n" and (tmp_path / "x.csv").read_text() == "q,'\"\\n"
-    assert "web_search" not in ns and ns["read_page"] == 2 and "_l0_setup" not in ns
+    assert "web_search" not in ns and ns["read_page"] == 2 and "_l0_write" not in ns
+    big = {"data/big.txt": "0123456789\n" * 300_000, "small.txt": "s", "u.txt": "\u2028" * SETUP_CHUNK}  # 3.5 MB
+    cells = setup_cells(big)
+    assert len(cells) == 18 and max(len(json.dumps(c)) for c in cells) < MAX_FRAME  # the echo of the worst one fits
+    ns = {}  # one kernel namespace across the cells
+    for cell in cells:
+        exec(cell, ns)
+    assert all((tmp_path / p).read_text() == text for p, text in big.items())
+    assert setup_cells({}, ("read_page",)) == ["del read_page"] and setup_cells({}) == []
     for bad in ("/etc/passwd", "../up.txt", "a/../../b", "a b.txt", ""):
         with pytest.raises(ValueError, match="not a relative path"):
-            setup_cell({bad: "x"})
+            setup_cells({bad: "x"})
+    with pytest.raises(ValueError, match=r"setup: workspace file name 'aaaa.*'... is 256 bytes \(at most 255\)"):
+        setup_cells({"d/" + "a" * 256: "x"})
 
 
 @pytest.mark.slow

@@ -29,27 +29,24 @@ from aiohttp import web
 import evaluate
 from l0_min import config as config_mod
 from l0_min import evaluation
-from l0_min.episode import Task
-from l0_min.evaluation import (
-    EvalError,
-    ResultsFile,
-    check_run_info,
-    format_summary,
-    judge_prompt,
-    judge_record,
-    make_record,
-    markdown_table,
-    official_em,
-    official_f1,
-    paper_table,
-    parse_grade,
-    pass_at_k,
-    read_results,
-    summarize,
-    two_proportion_z_test,
-    wilson_interval,
-)
-from l0_min.envs.qa import exact_match, f1_score
+from l0_min.answers import exact_match, f1_score
+from l0_min.data import DataError
+from l0_min.envs.qa import QA, judge_prompt, official_em, official_f1, paper_table
+from l0_min.episode import Episode, Task
+from l0_min.evaluation import (EvalError, ResultsFile, check_run_info, format_summary, judge_record, markdown_table,
+                               parse_grade, pass_at_k, read_results, record, summarize, two_proportion_z_test,
+                               wilson_interval)
+
+QA_ENV = QA(config_mod.Config())
+METRICS = QA.eval_metrics  # official EM and F1, then the training reward's Unicode-aware ones
+
+
+def make_record(task: Task, sample: int, prediction, status: str, steps=0, seconds: float = 0.0) -> dict:
+    """A record as evaluate.py makes one: the episode scored by the QA environment."""
+    ep = Episode(task, status=status, final_answer=prediction, sample=sample, seconds=seconds)
+    ep.rewards = QA_ENV.score(ep)
+    return record(ep) | {"steps": steps}
+
 
 ROOT = Path(__file__).resolve().parent.parent
 SHARED = ROOT.parent / "shared" / "data" / "benchmarks"
@@ -237,8 +234,8 @@ def test_pass_at_k_is_the_unbiased_estimator():
 
 def rec(qid, sample, em, f1=None, answered=True, grade=None, steps=2, status="answered", source="x"):
     f1 = em if f1 is None else f1
-    return {"id": qid, "sample": sample, "em": em, "f1": f1, "lenient_em": em, "lenient_f1": f1, "answered": answered,
-            "grade": grade, "steps": steps, "status": status, "source": source}
+    return {"id": qid, "sample": sample, "official_em": em, "official_f1": f1, "em": em, "f1": f1, "answered": answered,
+            "grade": grade, "steps": steps, "status": status, "source": source, "reward": em}
 
 
 def test_summarize_averages_samples_then_questions():
@@ -248,10 +245,10 @@ def test_summarize_averages_samples_then_questions():
         rec("b", 0, 0.0, f1=0.25, grade="incorrect"), rec("b", 1, 0.0, f1=0.25, grade="incorrect"),
         rec("b", 2, 0.0, f1=0.25, grade="correct"),  # the judge may accept what EM does not
     ]
-    m = summarize(records, k=3, judged=True)
-    assert (m["questions"], m["samples"], m["k"], m["incomplete_questions"]) == (2, 6, 3, 0)
-    assert m["em"] == pytest.approx((1 / 3 + 0) / 2, abs=1e-15)
-    assert m["f1"] == pytest.approx((1.5 / 3 + 0.75 / 3) / 2, abs=1e-15)  # 0.375
+    m = summarize(records, METRICS, k=3, judged=True)
+    assert (m["n"], m["samples"], m["k"], m["incomplete_questions"], m["metric"]) == (2, 6, 3, 0, "official_em")
+    assert m["official_em"] == m["score"] == pytest.approx((1 / 3 + 0) / 2, abs=1e-15)
+    assert m["official_f1"] == pytest.approx((1.5 / 3 + 0.75 / 3) / 2, abs=1e-15)  # 0.375
     assert m["pass_at_k"] == 0.5  # a has a correct sample, b none (by EM)
     assert m["answered"] == pytest.approx((2 / 3 + 1) / 2, abs=1e-15) and m["not_attempted"] == pytest.approx(1 / 6, abs=1e-15)
     assert m["steps"] == pytest.approx((8 / 3 + 2) / 2, abs=1e-15)
@@ -266,32 +263,36 @@ def test_summarize_averages_samples_then_questions():
 def test_summarize_judge_rates_are_simple_evals_aggregates():
     # one sample per question: the rates are simple-evals' (3 correct, 1 incorrect, 4 not attempted of 8)
     grades = ["correct"] * 3 + ["incorrect"] + ["not_attempted"] * 4
-    j = summarize([rec(str(i), 0, 0.0, grade=g) for i, g in enumerate(grades)], k=1, judged=True)["judge"]
+    j = summarize([rec(str(i), 0, 0.0, grade=g) for i, g in enumerate(grades)], METRICS, k=1, judged=True)["judge"]
     assert (j["accuracy"], j["incorrect"], j["not_attempted"]) == (0.375, 0.125, 0.5)
     assert j["accuracy_given_attempted"] == 0.75 and j["f_score"] == pytest.approx(0.5, abs=1e-15)  # 2*.375*.75/1.125
-    j = summarize([rec("a", 0, 0.0, grade="not_attempted")], judged=True)["judge"]
+    j = summarize([rec("a", 0, 0.0, grade="not_attempted")], METRICS, judged=True)["judge"]
     assert (j["accuracy"], j["accuracy_given_attempted"], j["f_score"]) == (0.0, 0.0, 0.0)
-    j = summarize([rec("a", 0, 1.0, grade="correct")], judged=True)["judge"]
+    j = summarize([rec("a", 0, 1.0, grade="correct")], METRICS, judged=True)["judge"]
     assert (j["accuracy"], j["accuracy_given_attempted"], j["f_score"]) == (1.0, 1.0, 1.0)
 
 
-def test_summarize_per_source_and_their_mean():  # issue 13, item 4
+def test_summarize_per_source_and_their_mean(tmp_path):  # issue 13, item 4
     records = [rec("n1", 0, 1.0, source="nq"), rec("n2", 0, 0.0, source="nq"), rec("n3", 0, 1.0, source="nq"),
                rec("b1", 0, 0.0, f1=0.5, source="bamboogle")]
-    m = summarize(records)
-    assert m["em"] == 0.5 and set(m["sources"]) == {"nq", "bamboogle"}
-    assert (m["sources"]["nq"]["questions"], m["sources"]["nq"]["em"]) == (3, pytest.approx(2 / 3, abs=1e-15))
-    assert (m["sources"]["bamboogle"]["em"], m["sources"]["bamboogle"]["f1"]) == (0.0, 0.5)
-    assert m["source_avg"] == {"em": pytest.approx(1 / 3, abs=1e-15), "f1": pytest.approx((2 / 3 + 0.5) / 2, abs=1e-15)}
-    assert "sources" not in summarize(records[:3])
+    m = summarize(records, METRICS)
+    assert m["official_em"] == 0.5 and set(m["sources"]) == {"nq", "bamboogle"}
+    assert (m["sources"]["nq"]["n"], m["sources"]["nq"]["official_em"]) == (3, pytest.approx(2 / 3, abs=1e-15))
+    assert (m["sources"]["bamboogle"]["official_em"], m["sources"]["bamboogle"]["official_f1"]) == (0.0, 0.5)
+    avg = {"official_em": 1 / 3, "official_f1": (2 / 3 + 0.5) / 2}
+    assert m["source_avg"] == pytest.approx(avg | {"em": 1 / 3, "f1": (2 / 3 + 0.5) / 2}, abs=1e-15)
+    assert "sources" not in summarize(records[:3], METRICS)
     table = paper_table([{"model": "m", "mode": "agent", "bench": "mixed", "metrics": m}]).splitlines()
     assert table[:4] == ["EM", "| model | mode | NQ | Bamboogle | Avg. |", "| --- | --- | ---: | ---: | ---: |",
                          "| m | agent | 66.7 | 0.0 | 33.3 |"]
     assert table[5:9] == ["F1", "| model | mode | NQ | Bamboogle | Avg. |", "| --- | --- | ---: | ---: | ---: |",
                           "| m | agent | 66.7 | 50.0 | 58.3 |"]
-    # a data_source may name a benchmark otherwise (Search-R1 files: tq, 2wiki): one benchmark, one cell
-    m = summarize([rec("t1", 0, 1.0, source="tq"), rec("t2", 0, 0.0, source="triviaqa"), rec("w", 0, 1.0, source="2wiki")])
-    assert {s: sm["questions"] for s, sm in m["sources"].items()} == {"triviaqa": 2, "2wikimultihopqa": 1}
+    # a data_source may name a benchmark otherwise (Search-R1 files: tq, 2wiki): the loader gives the canonical name
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"id": i, "question": "q", "golden_answers": ["a"], "data_source": src}) + "\n"
+                            for i, src in (("t1", "tq"), ("t2", "triviaqa"), ("w", "2wiki"))))
+    m = summarize([make_record(t, 0, "a", "answered") for t in tasks_of(path)], METRICS)
+    assert {s: sm["n"] for s, sm in m["sources"].items()} == {"triviaqa": 2, "2wikimultihopqa": 1}
 
 
 def test_wilson_interval_and_two_proportion_z_test():
@@ -306,43 +307,45 @@ def test_wilson_interval_and_two_proportion_z_test():
     assert (diff, z, p) == (pytest.approx(0.15), pytest.approx(2.1240, abs=1e-4), pytest.approx(0.0337, abs=1e-4))
     assert two_proportion_z_test(45, 100, 60, 100)[1] == pytest.approx(-z) and two_proportion_z_test(45, 100, 60, 100)[2] == p
     assert two_proportion_z_test(50, 100, 50, 100)[2] == 1.0 and two_proportion_z_test(0, 5, 0, 7) == (0.0, 0.0, 1.0)
-    m = summarize([rec(str(i), 0, float(i < 8)) for i in range(10)])
-    assert m["em_ci"] == pytest.approx(wilson_interval(8, 10), abs=1e-12)
-    assert format_summary(m) == ("EM 80.0 (95% CI 49.0-94.3) | F1 80.0 | lenient EM 80.0 | answered 100.0 | "
-                                 "10 questions x 1 samples")
+    m = summarize([rec(str(i), 0, float(i < 8)) for i in range(10)], METRICS)
+    assert m["score_ci"] == pytest.approx(wilson_interval(8, 10), abs=1e-12)
+    assert format_summary(m) == ("official EM 80.0 (95% CI 49.0-94.3) | official F1 80.0 | EM 80.0 | F1 80.0 | "
+                                 "answered 100.0 | reward 0.800 | 10 questions x 1 samples")
 
 
 def test_summarize_edge_cases():
-    m = summarize([rec("a", 0, 1.0), rec("b", 0, 0.0)], k=2)  # fewer samples than k so far
+    m = summarize([rec("a", 0, 1.0), rec("b", 0, 0.0)], METRICS, k=2)  # fewer samples than k so far
     assert m["incomplete_questions"] == 2 and m["pass_at_k"] == 0.5 and "judge" not in m
-    assert summarize([rec("a", 0, 1.0, steps=None)], k=1)["steps"] is None  # direct mode
+    assert summarize([rec("a", 0, 1.0, steps=None)], METRICS, k=1)["steps"] is None  # direct mode
     with pytest.raises(ValueError, match="no grade"):
-        summarize([rec("a", 0, 1.0)], k=1, judged=True)
+        summarize([rec("a", 0, 1.0)], METRICS, k=1, judged=True)
     with pytest.raises(ValueError, match="no records"):
-        summarize([], k=1)
+        summarize([], METRICS, k=1)
+    with pytest.raises(ValueError, match="no metrics"):
+        summarize([rec("a", 0, 1.0)], ())
 
 
 def test_make_record_scores_against_every_alias():
     t = Task("q", "Who?", ["Barack Obama", "Obama"], {"benchmark": "nq"})
     r = make_record(t, 2, "president Obama", "answered", steps=3, seconds=1.23456)
-    assert (r["id"], r["sample"], r["em"], r["answered"], r["steps"], r["seconds"]) == ("q", 2, 0.0, True, 3, 1.235)
-    assert r["f1"] == pytest.approx(2 / 3, abs=1e-15) and r["source"] == "nq"  # best alias "Obama": P 1/2, R 1
+    assert (r["id"], r["sample"], r["official_em"], r["answered"], r["steps"], r["seconds"]) == ("q", 2, 0.0, True, 3, 1.235)
+    assert r["official_f1"] == pytest.approx(2 / 3, abs=1e-15) and r["source"] == "nq"  # best alias "Obama": P 1/2, R 1
     r = make_record(t, 0, None, "max_steps")
-    assert (r["em"], r["f1"], r["answered"], r["prediction"]) == (0.0, 0.0, False, None)
+    assert (r["official_em"], r["official_f1"], r["answered"], r["prediction"]) == (0.0, 0.0, False, None)
     r = make_record(t, 0, "|", "answered")  # punctuation only: not answered (issue 13, item 6)
-    assert (r["em"], r["f1"], r["lenient_em"], r["answered"]) == (0.0, 0.0, 0.0, False)
+    assert (r["official_em"], r["official_f1"], r["em"], r["answered"]) == (0.0, 0.0, 0.0, False)
 
 
 def test_answer_split_aliases_each_score(tmp_path):  # issue 13, item 3
     path = tmp_path / "bamboogle.jsonl"
     path.write_text(json.dumps({"id": "b1", "question": "Capital?", "golden_answers": ["Tokyo<|answer_split|>Tokio"]}) + "\n")
     task = tasks_of(path)[0]
-    assert [make_record(task, 0, a, "answered")["em"] for a in ("Tokyo", "tokio.", "Tokyo<|answer_split|>Tokio")] == [1.0, 1.0, 0.0]
+    assert [make_record(task, 0, a, "answered")["official_em"] for a in ("Tokyo", "tokio.", "Tokyo<|answer_split|>Tokio")] == [1.0, 1.0, 0.0]
 
 
 def summary_row(bench, em, judge=None, model="m", mode="agent", k=1):
-    m = {"questions": 10, "k": k, "em": em, "em_ci": wilson_interval(10 * em, 10), "f1": em + 0.1, "lenient_em": em + 0.05,
-         "pass_at_k": em, "answered": 0.9, "steps": 3.0}
+    m = {"n": 10, "k": k, "metric": "official_em", "official_em": em, "score": em, "score_ci": wilson_interval(10 * em, 10),
+         "official_f1": em + 0.1, "em": em + 0.05, "pass_at_k": em, "answered": 0.9, "steps": 3.0}
     if judge is not None:
         m["judge"] = {"accuracy": judge, "accuracy_given_attempted": 0.5, "f_score": 0.4, "not_attempted": 0.2,
                       "unparsed": 0.1}
@@ -351,10 +354,10 @@ def summary_row(bench, em, judge=None, model="m", mode="agent", k=1):
 
 def test_markdown_table_columns_and_judge_columns():
     plain = markdown_table([summary_row("hotpotqa", 0.25)]).splitlines()
-    assert plain[0] == "| model | mode | bench | n | EM | 95% CI | F1 | lenient EM | pass@1 | answered | steps | wall |"
+    assert plain[0] == "| model | mode | bench | n | official EM | 95% CI | official F1 | EM | pass@1 | answered | steps | wall |"
     assert plain[2] == "| m | agent | hotpotqa | 10 | 25.0 | 8.1-55.8 | 35.0 | 30.0 | 25.0 | 90.0 | 3.00 | 61 s |"
     judged = markdown_table([summary_row("simpleqa", 0.0, judge=0.125), summary_row("hotpotqa", 0.25, k=4)]).splitlines()
-    assert judged[0] == ("| model | mode | bench | n | EM | 95% CI | F1 | lenient EM | judge acc | acc|attempted | judge F "
+    assert judged[0] == ("| model | mode | bench | n | official EM | 95% CI | official F1 | EM | judge acc | acc|attempted | judge F "
                          "| not attempted | unparsed | pass@k | answered | steps | wall |")  # several k: the header stays generic
     assert judged[2].split(" | ")[8:13] == ["12.5", "50.0", "40.0", "20.0", "10.0"]
     assert judged[3].split(" | ")[8:13] == ["-", "-", "-", "-", "-"]  # not judged
@@ -428,21 +431,21 @@ async def test_judge_record_calls_retries_and_names_the_judge():
         prompts.append(prompt)
         return ["hmm", "**A**"][len(prompts) - 1]
 
-    assert await judge_record(rec, gen, "judge-x") == {"grade": "correct", "judge": "judge-x", "judge_error": ""}
+    assert await judge_record(rec, gen, "judge-x", judge_prompt) == {"grade": "correct", "judge": "judge-x", "judge_error": ""}
     assert len(prompts) == 2 and "Who wrote Hamlet?" in prompts[0]
 
     async def never(prompt):
         raise AssertionError("an unanswered prediction needs no judge call")
 
     for blank in ("  ", None, "|"):
-        assert (await judge_record(rec | {"prediction": blank}, never, "j"))["grade"] == "not_attempted"
+        assert (await judge_record(rec | {"prediction": blank}, never, "j", judge_prompt))["grade"] == "not_attempted"
 
     async def garbage(prompt):
         prompts.append(prompt)
         return "no idea"
 
     prompts.clear()
-    fields = await judge_record(rec, garbage, "j", retries=2)  # no grade after the retries: counted apart
+    fields = await judge_record(rec, garbage, "j", judge_prompt, retries=2)  # no grade after the retries: counted apart
     assert fields["grade"] == "unparsed" and "no grade (A/B/C) in judge reply: 'no idea'" in fields["judge_error"]
     assert len(prompts) == 3
 
@@ -569,7 +572,7 @@ def test_official_and_lenient_differ_where_documented():
     # Unicode: officially curly quotes, full-width letters and decomposed accents stay; the lenient score folds them
     for pred, gold in [("“Tokyo”", "Tokyo"), ("Ｔｏｋｙｏ", "Tokyo"), ("Cafe\u0301", "Café"), ("1990–1995", "19901995")]:
         r = make_record(Task("u", "?", [gold]), 0, pred, "answered")
-        assert (r["em"], r["lenient_em"]) == (0.0, 1.0), pred
+        assert (r["official_em"], r["em"]) == (0.0, 1.0), pred
     # both: an unanswered prediction (blank, only punctuation) scores 0, where the script matches "" == ""
     assert _official_em("", "") == 1.0 and official_em("", [""]) == 0.0 and exact_match("", [""]) == 0.0
     assert _official_em("!!", "A+") == 1.0 and official_em("!!", ["A+"]) == 0.0 and official_f1(None, ["x"]) == 0.0
@@ -594,7 +597,7 @@ def test_agent_answering_from_gold_scores_em_1_on_a_closed_corpus(server, tmp_pa
     out = tmp_path / "gold"
     s = cli("--bench", "hotpotqa", "--data", str(data), "--limit", "4", "--judge-url", "self", out=out, url=server.url)
     m = s["metrics"]
-    assert (m["questions"], m["em"], m["f1"], m["pass_at_k"], m["answered"], m["steps"]) == (4, 1.0, 1.0, 1.0, 1.0, 1.0)
+    assert (m["n"], m["official_em"], m["official_f1"], m["pass_at_k"], m["answered"], m["steps"]) == (4, 1.0, 1.0, 1.0, 1.0, 1.0)
     assert m["judge"]["accuracy"] == 1.0 and m["judge"]["not_attempted"] == 0.0 and server.judge_calls == 4
     # the index holds all 6 questions' paragraphs (7 of them), not only the 4 evaluated
     assert s["search"] == "closed corpus: bm25 over the 7 paragraphs of the file's 6 questions"
@@ -608,11 +611,11 @@ def test_agent_answering_from_gold_scores_em_1_on_a_closed_corpus(server, tmp_pa
     assert "Abbey Road (ref: p-" in beatles["steps"][0]["observation"]
     assert (out / "viewer.html").is_file() and (out / "config.yaml").is_file()
     table = (out / "summary.md").read_text()
-    assert ("| tiny-random | agent | hotpotqa | 4 | 100.0 | 51.0-100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 0.0 | 0.0 "
-            "| 100.0 | 100.0 | 1.00 |") in table
+    assert ("| tiny-random | agent | hotpotqa | 4 | 100.0 | 51.0-100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 100.0 | 0.0 "
+            "| 0.0 | 100.0 | 100.0 | 1.00 |") in table
     assert table.endswith("\n- samples by status: answered 4\n- search: closed corpus: bm25 over the 7 paragraphs of the "
                           "file's 6 questions\n")  # issue 23: what the agent searched
-    assert "scores: EM/F1 official (hotpot_evaluate_v1.py normalisation)" in table  # item 5: the summary says so
+    assert "scores: env qa's score(): official_em, official_f1, em, f1" in table  # item 5: the summary says so
 
 
 @pytest.mark.slow
@@ -624,7 +627,7 @@ def test_agent_that_never_answers_scores_0_and_is_not_attempted(server, tmp_path
     s = cli("--bench", "bamboogle", "--data", str(data), "--judge-url", "self", "--n-samples", "2", out=out,
             url=server.url, extra=["agent.max_steps=2"])
     m = s["metrics"]
-    assert (m["em"], m["f1"], m["pass_at_k"], m["answered"], m["not_attempted"]) == (0.0, 0.0, 0.0, 0.0, 1.0)
+    assert (m["official_em"], m["official_f1"], m["pass_at_k"], m["answered"], m["not_attempted"]) == (0.0, 0.0, 0.0, 0.0, 1.0)
     assert m["judge"] == {"accuracy": 0.0, "incorrect": 0.0, "not_attempted": 1.0, "accuracy_given_attempted": 0.0,
                           "f_score": 0.0, "pass_at_k": 0.0, "unparsed": 0.0, "unparsed_samples": 0}
     assert m["status"] == {"max_steps": 4} and m["steps"] == 2.0 and server.judge_calls == 0
@@ -648,7 +651,7 @@ def test_direct_mode_and_resume_with_more_questions_and_samples(server, tmp_path
     server.use(tasks, policy=verdict.get, delay=0.3)
     out = tmp_path / "direct"
     first = cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", "--limit", "3", out=out, url=server.url)
-    assert (first["metrics"]["em"], first["metrics"]["answered"], first["metrics"]["steps"]) == (pytest.approx(1 / 3), pytest.approx(2 / 3), None)
+    assert (first["metrics"]["official_em"], first["metrics"]["answered"], first["metrics"]["steps"]) == (pytest.approx(1 / 3), pytest.approx(2 / 3), None)
     assert sum(server.calls.values()) == 3 and first["wall_s"] >= 0.3
     # more questions and a second sample: only the missing (question, sample) pairs run
     server.calls.clear()
@@ -658,12 +661,35 @@ def test_direct_mode_and_resume_with_more_questions_and_samples(server, tmp_path
     # item 7: wall time adds up over the invocations (the first run's, then this one's up to its last sample)
     assert first["wall_s"] + 0.3 <= s["wall_s"] <= first["wall_s"] + time.monotonic() - t0
     m = s["metrics"]
-    assert (m["questions"], m["samples"], m["k"]) == (6, 12, 2)
-    assert (m["em"], m["pass_at_k"], m["answered"]) == (pytest.approx(1 / 3), pytest.approx(1 / 3), pytest.approx(2 / 3))
+    assert (m["n"], m["samples"], m["k"]) == (6, 12, 2)
+    assert (m["official_em"], m["pass_at_k"], m["answered"]) == (pytest.approx(1 / 3), pytest.approx(1 / 3), pytest.approx(2 / 3))
     assert any("temperature 0" in n for n in s["notes"])
     # a different model into the same folder is refused before anything runs
     with pytest.raises(EvalError, match="different evaluation"):
         cli("--bench", "hotpotqa", "--data", str(data), "--mode", "direct", out=out, url=server.url, model="smollm2-135m")
+
+
+def test_a_gsm8k_file_is_scored_by_the_math_grader(server, tmp_path):
+    """Issue 37: evaluate.py scores each record with its environment's score(): a GSM8K file's tasks are the math
+    environment's, graded by numeric equality, where QA's EM counted the expert's "3.0" for gold "3" wrong. A row
+    without "#### <number>" is refused with its row number (it silently took the solution text as gold)."""
+    golds, said = ["3", "18", "0.75", "1200", "7"], ["3.0", "$18.00", "3/4", "1,200", "6"]  # the last one is wrong
+    path = tmp_path / "gsm8k.jsonl"
+    path.write_text("".join(json.dumps({"question": f"Problem {i}: how many?", "answer": f"Work: 1+2=<<1+2=3>>3\n#### {g}"})
+                            + "\n" for i, g in enumerate(golds)))
+    tasks = tasks_of(path)
+    assert {t.env for t in tasks} == {"math"} and [t.answers for t in tasks] == [[g] for g in golds]
+    server.use(tasks)
+    server.answers = {t.question: [a] for t, a in zip(tasks, said)}
+    s = cli("--bench", "gsm8k", "--data", str(path), "--mode", "direct", out=tmp_path / "math", url=server.url)
+    m = s["metrics"]
+    assert (s["env"], m["metric"], m["n"], m["correct"], m["score"]) == ("math", "correct", 5, 0.8, 0.8)
+    assert [r["correct"] for r in results_of(tmp_path / "math")] == [1.0, 1.0, 1.0, 1.0, 0.0]
+    assert [official_em(a, [g]) for a, g in zip(said, golds)] == [0, 0, 0, 1, 0]  # QA's EM: 1 of the 4 right ones
+    assert "| model | mode | bench | n | correct | 95% CI |" in (tmp_path / "math" / "summary.md").read_text()
+    path.write_text(path.read_text() + json.dumps({"question": "No gold?", "answer": "The answer is 4."}) + "\n")
+    with pytest.raises(DataError, match=r"gsm8k.jsonl: row 6: GSM8K layout: field 'answer' must end with '#### <number>'"):
+        tasks_of(path)
 
 
 @pytest.mark.slow
@@ -710,7 +736,7 @@ def test_killed_run_resumes_to_the_uninterrupted_summary(server, tmp_path):
     server.delay = 0.0
     fresh = cli(*args, out=tmp_path / "fresh", url=server.url)
     assert resumed["metrics"] == fresh["metrics"]
-    assert fresh["metrics"]["em"] == pytest.approx(2 / 5) and fresh["metrics"]["answered"] == pytest.approx(4 / 5)
+    assert fresh["metrics"]["official_em"] == pytest.approx(2 / 5) and fresh["metrics"]["answered"] == pytest.approx(4 / 5)
     # 4. a finished folder reruns in a moment: nothing is generated, the summary is the same
     server.calls.clear()
     again = cli(*args, out=out, url=server.url)
@@ -735,11 +761,11 @@ def test_gold_answers_score_em_1_on_every_shared_benchmark(server, tmp_path):
         tasks = list(load_benchmark(bench, path=str(path), limit=5))
         server.use(tasks)
         s = cli("--bench", bench, "--data", str(path), "--mode", "direct", "--limit", "5", out=tmp_path / bench, url=server.url)
-        assert (s["metrics"]["questions"], s["metrics"]["em"], s["metrics"]["f1"]) == (5, 1.0, 1.0), bench
+        assert (s["metrics"]["n"], s["metrics"]["score"]) == (5, 1.0), bench  # the env's headline: official EM, correct
         server.use(tasks, policy=lambda q: "silent")
         s = cli("--bench", bench, "--data", str(path), "--mode", "direct", "--limit", "5", out=tmp_path / f"{bench}-0",
                 url=server.url)
-        assert (s["metrics"]["em"], s["metrics"]["answered"]) == (0.0, 0.0), bench
+        assert (s["metrics"]["score"], s["metrics"]["answered"]) == (0.0, 0.0), bench
 
 
 def test_table_of_finished_runs(server, tmp_path, capsys):
@@ -813,9 +839,9 @@ def test_mixed_file_gets_the_per_source_table(server, tmp_path, capsys):  # item
     server.use(tasks_of(data), policy=lambda q: "wrong" if q.startswith("What is") else "gold")
     s = cli("--bench", "searchr1-test", "--data", str(data), "--mode", "direct", out=tmp_path / "mixed", url=server.url)
     m = s["metrics"]
-    assert s["bench"] == "searchr1-test" and m["em"] == 0.75
-    assert {src: sm["em"] for src, sm in m["sources"].items()} == {"nq": 0.5, "bamboogle": 1.0, "hotpotqa": 1.0}
-    assert m["source_avg"]["em"] == pytest.approx(2.5 / 3, abs=1e-15)
+    assert s["bench"] == "searchr1-test" and m["official_em"] == 0.75
+    assert {src: sm["official_em"] for src, sm in m["sources"].items()} == {"nq": 0.5, "bamboogle": 1.0, "hotpotqa": 1.0}
+    assert m["source_avg"]["official_em"] == pytest.approx(2.5 / 3, abs=1e-15)
     printed = capsys.readouterr().out
     assert "| tiny-random | direct | searchr1-test: nq | 2 | 50.0 | 9.5-90.5 | 50.0 | 50.0 |" in printed  # n and CI per source
     assert ("| model | mode | NQ | HotpotQA | Bamboogle | Avg. |\n| --- | --- | ---: | ---: | ---: | ---: |\n"
@@ -855,7 +881,7 @@ def test_chat_endpoint_judge_with_a_key_and_cached_verdicts(server, tmp_path, mo
     assert {r["judge"] for r in results_of(out)} == {"judge-x"} and s["judge_model"] == "judge-x"
     server.judge_calls = 0
     again = cli(*args, *judge, "--n-samples", "2", out=out, url=server.url)  # 3. a resume: only new samples are judged
-    assert server.judge_calls == 2 and sum(server.calls.values()) == 3 and again["metrics"]["questions"] == 3
+    assert server.judge_calls == 2 and sum(server.calls.values()) == 3 and again["metrics"]["n"] == 3
     server.judge_calls = 0
     assert cli(*args, *judge, "--n-samples", "2", out=out, url=server.url)["metrics"] == again["metrics"]
     assert server.judge_calls == 0 and sum(server.calls.values()) == 3  # nothing re-judged, nothing regenerated
@@ -965,7 +991,7 @@ def test_a_csv_with_a_byte_order_mark_loads_and_a_bad_encoding_names_its_fix(ser
     assert [(t.question, t.answers) for t in tasks_of(bom)] == [("Who wrote Hamlet?", ["William Shakespeare"])]
     server.use(tasks_of(bom))
     assert cli("--bench", "bamboogle", "--data", str(bom), "--mode", "direct", out=tmp_path / "bom", url=server.url)[
-        "metrics"]["em"] == 1.0
+        "metrics"]["official_em"] == 1.0
     line = '{"question": "Who said \x93yes\x94?", "answer": "Ann"}\n'.encode("latin1")  # cp1252 curly quotes
     for path, write in ((tmp_path / "q.jsonl", Path.write_bytes), (tmp_path / "q.jsonl.gz", lambda p, b: p.write_bytes(gzip.compress(b)))):
         write(path, line)

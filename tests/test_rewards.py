@@ -1,10 +1,10 @@
 
 import pytest
 
-from l0_min.config import RewardConfig
+from l0_min.config import ConfigError, RewardConfig
 from l0_min.episode import Episode, Step, Task
-from l0_min.envs.qa import exact_match, f1_score, normalize_answer, token_f1
-from l0_min.rewards import answer_reward, exec_score, format_ok, has_answer, score_episode
+from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, normalize_answer, token_f1
+from l0_min.rewards import exec_score, format_ok, score_episode
 
 
 @pytest.mark.parametrize("raw, norm", [
@@ -141,11 +141,11 @@ GOOD = "<think>I should search the corpus.</think><code>web_search('Paris')</cod
 BAD = "I will just answer."
 
 
-def _qa(reward_cfg):
+def _qa(reward_cfg, **settings):
     from l0_min.config import Config
     from l0_min.envs.qa import QA
 
-    return QA(Config(reward=reward_cfg))
+    return QA(Config(reward=reward_cfg, envs={"qa": settings}))
 
 
 def _episode(answer, steps):
@@ -165,7 +165,8 @@ def test_score_episode_worked_example():
     assert ep.reward == pytest.approx(0.941666666666667, abs=1e-12)
     assert sum(per_step) == pytest.approx(ep.reward, abs=1e-12)
     assert ep.rewards == pytest.approx({"core": 1.0, "format": 0.75, "exec": 2 / 3, "em": 1.0, "f1": 1.0,
-                                        "has_answer": 1.0, "total": ep.reward}, abs=1e-12)
+                                        "has_answer": 1.0, "official_em": 1.0, "official_f1": 1.0, "total": ep.reward},
+                                       abs=1e-12)
 
 
 def test_score_episode_wrong_answer_and_no_answer():
@@ -190,11 +191,10 @@ def test_score_episode_without_steps():
 
 
 def test_score_episode_uses_config_weights_and_metric():
-    cfg = RewardConfig(answer_weight=1.0, format_weight=0.0, exec_weight=0.0, em_weight=1.0, has_answer_weight=0.0,
-                       answer_metric="f1")
+    cfg = RewardConfig(answer_weight=1.0, format_weight=0.0, exec_weight=0.0, em_weight=1.0, has_answer_weight=0.0)
     ep = _episode("president Barack Obama", [(GOOD, True)])
     ep.task.answers = ["Barack Obama"]
-    score_episode(ep, cfg, _qa(cfg))
+    score_episode(ep, cfg, _qa(cfg, answer_metric="f1"))
     assert ep.reward == pytest.approx(0.8, abs=1e-12)  # F1 = 0.8
     assert ep.rewards["em"] == 0.0 and ep.rewards["f1"] == pytest.approx(0.8, abs=1e-12)
 
@@ -203,13 +203,15 @@ def test_score_episode_uses_config_weights_and_metric():
     score_episode(ep, cfg, _qa(cfg))
     assert ep.steps[0].format_ok is False and ep.rewards["format"] == 0.0
 
-    with pytest.raises(ValueError, match="answer_metric"):
-        score_episode(_episode("Paris", []), RewardConfig(answer_metric="bleu"), _qa(RewardConfig(answer_metric="bleu")))
+    with pytest.raises(ValueError, match="envs.qa.answer_metric must be 'em' or 'f1', got 'bleu'"):
+        _qa(RewardConfig(), answer_metric="bleu")
+    with pytest.raises(ConfigError, match=r"unknown key 'envs.qa.metric' \(envs.qa has: entities, answer_metric\)"):
+        _qa(RewardConfig(), metric="f1")
 
 
 def test_an_action_cut_off_by_the_token_limit_is_not_well_formed_in_the_reward_either():
-    """One format rule (rewards.format_ok): the agent and the reward agree that `<think>...</think><code>print(123`
-    cut off by the token limit (finish_reason "length") is malformed; stopped at </code> (trimmed) it is fine."""
+    """One format rule (rewards.format_ok, applied once, in score_episode): `<think>...</think><code>print(123` cut
+    off by the token limit (finish_reason "length") is malformed; stopped at </code> (trimmed) it is fine."""
     cut = "<think>print a number for the task</think><code>print(123"
     ep = _episode(None, [(cut, None)])
     ep.steps[0].finish_reason = "length"
@@ -218,5 +220,3 @@ def test_an_action_cut_off_by_the_token_limit_is_not_well_formed_in_the_reward_e
     ep.steps[0].finish_reason = "stop"
     score_episode(ep, RewardConfig(), _qa(RewardConfig()))
     assert ep.steps[0].format_ok is True and ep.rewards["format"] == 1.0
-    from l0_min.agent import parse_action
-    assert parse_action(cut, "length").format_ok is False and parse_action(cut, "stop", "</code>").format_ok is True

@@ -6,7 +6,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from l0_min.config import ToolsConfig
+from l0_min.config import Config, ToolsConfig
 from l0_min.search import (
     BM25Backend,
     JinaReader,
@@ -15,7 +15,7 @@ from l0_min.search import (
     SerperBackend,
     make_backend,
 )
-from l0_min.envs.qa import make_world
+from l0_min.envs.qa import QA, make_world
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -259,8 +259,10 @@ async def test_make_backend_choices(tmp_path, world):
     assert isinstance(b, BM25Backend) and len(b.docs) == 60
     corpus = tmp_path / "c.jsonl"
     corpus.write_text(json.dumps({"id": "x", "title": "X", "text": "only this"}) + "\n")
-    b = make_backend(ToolsConfig(search="bm25", corpus=str(corpus)), docs=world.corpus)  # tools.corpus wins
-    assert [d["id"] for d in b.docs] == ["x"]
+    cfg = Config()  # QA's corpus: tools.corpus wins over the tasks' own pages
+    assert len(QA(cfg).corpus(world.tasks[:3])) == 60
+    cfg.tools.corpus = str(corpus)
+    assert [d["id"] for d in QA(cfg).corpus(world.tasks[:3])] == ["x"]
     with pytest.raises(ValueError, match="tools.search=bm25 needs documents"):
         make_backend(ToolsConfig(search="bm25"))
     with pytest.raises(ValueError, match="tools.retriever_url"):

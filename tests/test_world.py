@@ -4,9 +4,9 @@ import re
 import pytest
 
 from l0_min.envs import qa as world
-from l0_min.envs.qa import exact_match
+from l0_min.answers import exact_match, split
 from l0_min.episode import Task
-from l0_min.envs.qa import expert_actions, make_world, number_words, slug, split
+from l0_min.envs.qa import expert_actions, make_world, number_words, slug
 
 
 @pytest.fixture(scope="module")

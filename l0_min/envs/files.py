@@ -27,11 +27,9 @@ import itertools
 import random
 import re
 
+from l0_min.answers import answer_reward, numbers_equal, split
 from l0_min.envs import TaskEnvBase
-from l0_min.envs.math import numbers_equal
-from l0_min.envs.qa import split
 from l0_min.episode import Episode, Task
-from l0_min.rewards import answer_reward
 
 KINDS = ("count", "sum", "where", "returns")
 LOGS = ("app", "worker", "api", "auth")

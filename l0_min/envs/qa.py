@@ -39,16 +39,14 @@ import json
 import random
 import re
 import string
-import unicodedata
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
 from l0_min import data
-from l0_min.envs import TaskEnvBase
+from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, split, token_f1
+from l0_min.envs import TaskEnvBase, settings
 from l0_min.episode import Episode, Task
-from l0_min.rewards import answer_reward, has_answer
 
 # ---------------------------------------------------------------------------------------- names
 
@@ -376,22 +374,6 @@ def make_world(seed: int = 0, n_entities: int = 60, n_tasks: int | None = None) 
     return World(corpus, tasks, seed)
 
 
-def split(tasks: list[Task], held_out: float = 0.2) -> tuple[list[Task], list[Task]]:
-    """(train, held-out) by a hash of each task id: stable when tasks are added or reordered.
-
-    >>> tr, ho = split(make_world(0, 30).tasks, 0.25)
-    >>> len(tr) + len(ho), not set(t.id for t in tr) & set(t.id for t in ho)
-    (120, True)
-    """
-    if not 0.0 <= held_out <= 1.0:
-        raise ValueError(f"held_out must be in [0, 1], got {held_out}")
-    train, test = [], []
-    for t in tasks:
-        h = int(hashlib.sha1(t.id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
-        (test if h < held_out else train).append(t)
-    return train, test
-
-
 # ---- the expert: a scripted solver that writes real NB-Agent steps (the SFT cold start's episodes)
 
 
@@ -430,116 +412,6 @@ def expert_actions(task: Task) -> list[str]:
     return actions + [f"<think>{read[-1]}</think>\n<code>submit_final_answer({answer})</code>"]
 
 
-# ------------------------------------------------------------------- answers: normalisation, EM, F1
-
-# Normalisation follows SQuAD / HotpotQA (lowercase, drop punctuation, drop a/an/the, collapse
-# whitespace) but is Unicode-aware, where the L0 / SQuAD code keeps only what `string.punctuation`
-# knows and L0 drops non-ASCII letters. Lenient on purpose, for a reward; evaluate.py reports the
-# official scores (`l0_min.evaluation.official_normalize`) and this one as an extra column.
-# Decisions, so that two spellings of the same answer compare equal:
-# - NFKC first: composed and decomposed accents become one form ("e" + U+0301 -> "é"),
-#   full-width and ligature forms fold ("Ｔｏｋｙｏ" -> "tokyo", "ﬁ" -> "fi"), "²" -> "2".
-# - `str.casefold` instead of `lower` ("Straße" == "STRASSE"); identical on ASCII.
-# - punctuation is every character whose Unicode category is P* or S* (on ASCII this is exactly
-#   `string.punctuation`), removed without inserting a space, as SQuAD does ("U.S." -> "us").
-#   Accented letters, CJK, digits and combining marks stay.
-# - no accent stripping: "café" != "cafe", as the gold spelling is what counts.
-
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-
-
-def normalize_answer(s: str) -> str:
-    """SQuAD/HotpotQA normalisation, Unicode-aware (see the comment above).
-
-    >>> normalize_answer("The  Café, Paris!"), normalize_answer("U.S. $1,000")
-    ('café paris', 'us 1000')
-    >>> normalize_answer("An Apple a day")
-    'apple day'
-    >>> normalize_answer("Ｔｏｋｙｏ")
-    'tokyo'
-    >>> normalize_answer("  ")
-    ''
-    """
-    if not isinstance(s, str):
-        raise TypeError(f"normalize_answer expects a str, got {type(s).__name__}: {s!r}")
-    s = unicodedata.normalize("NFKC", s).casefold()
-    s = "".join(ch for ch in s if unicodedata.category(ch)[0] not in "PS")  # punctuation and symbols
-    s = _ARTICLES.sub(" ", s)
-    return " ".join(s.split())
-
-
-def light_normalize(s: str) -> str:
-    """NFKC, casefold and collapse whitespace only: used for a gold that `normalize_answer` maps to
-    "" (NQ has "A+" and "---"), so such a gold can still be matched exactly.
-
-    >>> normalize_answer("A+"), light_normalize(" A+ ")
-    ('', 'a+')
-    """
-    return " ".join(unicodedata.normalize("NFKC", s).casefold().split())
-
-
-def _golds(golds: str | Iterable[str]) -> list[str]:
-    golds = [golds] if isinstance(golds, str) else list(golds)
-    if not golds:
-        raise ValueError("no gold answers given")
-    return golds
-
-
-def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
-    """1.0 when the normalised prediction equals a normalised gold alias, else 0.0.
-
-    A blank (or None) prediction never matches: nothing submitted earns nothing. A gold that
-    normalises to "" (only punctuation and articles, e.g. "A+") is compared with `light_normalize`
-    instead, where SQuAD's code would match it with any all-punctuation prediction.
-
-    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"])
-    1.0
-    >>> exact_match("Eiffel", ["Eiffel Tower"])
-    0.0
-    >>> exact_match("", [""]), exact_match("a+", ["A+"]), exact_match("?", ["A+"])
-    (0.0, 1.0, 0.0)
-    """
-    golds = _golds(golds)
-    if not has_answer(prediction):
-        return 0.0
-    p, p_light = normalize_answer(prediction), light_normalize(prediction)
-    for g in golds:
-        g_norm = normalize_answer(g)
-        if (g_norm and p == g_norm) or (not g_norm and p_light == light_normalize(g)):
-            return 1.0
-    return 0.0
-
-
-def token_f1(p: str, g: str) -> float:
-    """Token F1 of two normalised answers, as HotpotQA's official f1_score (also used by the official
-    scores of l0_min.evaluation): yes / no / noanswer on either side must match exactly.
-
-    >>> token_f1("barack obama", "obama"), token_f1("no", "no way"), token_f1("", "x")
-    (0.6666666666666666, 0.0, 0.0)
-    """
-    if (p in ("yes", "no", "noanswer") or g in ("yes", "no", "noanswer")) and p != g:
-        return 0.0
-    same = sum((Counter(p.split()) & Counter(g.split())).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(p.split()), same / len(g.split())
-    return 2 * precision * recall / (precision + recall)
-
-
-def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
-    """Best token F1 over the gold aliases, 0.0 unanswered. A gold of only punctuation / articles
-    ("A+") scores all or nothing, as in exact_match.
-
-    >>> f1_score("the president Barack Obama", ["Obama", "Barack Obama"]), f1_score("a+", ["A+"])
-    (0.8, 1.0)
-    """
-    golds = _golds(golds)
-    if not has_answer(prediction):
-        return 0.0
-    p = normalize_answer(prediction)
-    return max(token_f1(p, g_norm) if (g_norm := normalize_answer(g)) else exact_match(prediction, [g]) for g in golds)
-
-
 # ------------------------------------ the official scores (hotpot_evaluate_v1.py / SQuAD v1.1)
 def official_normalize(s: str) -> str:
     """hotpot_evaluate_v1.py's normalize_answer, exactly: lower, drop string.punctuation, drop the
@@ -566,6 +438,85 @@ def official_f1(prediction: str | None, golds: Iterable[str]) -> float:
     """
     p = official_normalize(prediction) if has_answer(prediction) else None
     return max(token_f1(p, official_normalize(g)) for g in golds) if p is not None else 0.0
+
+
+# ------------------------------------- the papers' tables (evaluate.py): official scores, the judge, the layout
+# The papers' columns: L0's judged SimpleQA, then Search-R1's seven in the order its tables print them (a task's
+# meta "benchmark" is the canonical name: l0_min.data.ALIASES maps the other names files give one)
+PAPER_ORDER = [("simpleqa", "SimpleQA"), ("nq", "NQ"), ("triviaqa", "TriviaQA"), ("popqa", "PopQA"),
+               ("hotpotqa", "HotpotQA"), ("2wikimultihopqa", "2Wiki"), ("musique", "MuSiQue"), ("bamboogle", "Bamboogle")]
+
+
+def paper_table(summaries: list[dict]) -> str:
+    """Several runs as the papers lay them out: a row per (model, mode), a column per benchmark of
+    PAPER_ORDER present (a mixed run per source), the official EM in percent, then F1 in a table of its own;
+    a judged SimpleQA shows the judge's accuracy and F-score, which "Avg." (of EM, or F1) leaves out. A later
+    summary of the same model, mode and bench replaces an earlier.
+
+    >>> s = lambda b, em: {"model": "m", "mode": "agent", "bench": b, "metrics": {"official_em": em, "official_f1": em + 0.1}}
+    >>> print(paper_table([s("bamboogle", 0.2), s("hotpotqa", 0.4)]))
+    EM
+    | model | mode | HotpotQA | Bamboogle | Avg. |
+    | --- | --- | ---: | ---: | ---: |
+    | m | agent | 40.0 | 20.0 | 30.0 |
+    <BLANKLINE>
+    F1
+    | model | mode | HotpotQA | Bamboogle | Avg. |
+    | --- | --- | ---: | ---: | ---: |
+    | m | agent | 50.0 | 30.0 | 40.0 |
+    """
+    cells: dict[tuple[str, str], dict[str, dict]] = {}
+    for s in summaries:
+        for bench, m in (s["metrics"].get("sources") or {s["bench"]: s["metrics"]}).items():
+            cells.setdefault((s["model"], s["mode"]), {})[data.benchmark_name(bench, known=False)] = m
+    present = {b for row in cells.values() for b in row}
+    benches = [(b, name) for b, name in PAPER_ORDER if b in present] + [(b, b) for b in sorted(present - dict(PAPER_ORDER).keys())]
+    judged = {b for b, _ in benches if b == "simpleqa" and any(row.get(b, {}).get("judge") for row in cells.values())}
+    line, pct = (lambda cells: "| " + " | ".join(cells) + " |"), (lambda v: f"{100 * v:.1f}")
+    tables = []
+    for metric, judge_metric, title in (("official_em", "accuracy", "EM"), ("official_f1", "f_score", "F1")):
+        heads = [f"{name} {'acc' if title == 'EM' else 'F'}" if b in judged else name for b, name in benches]
+        lines = [title, line(["model", "mode", *heads] + ["Avg."] * (len(benches) > 1)),
+                 line(["---", "---"] + ["---:"] * (len(benches) + (len(benches) > 1)))]
+        for (model, mode), row in cells.items():
+            values = [None if b not in row else (row[b].get("judge") or {}).get(judge_metric) if b in judged else row[b][metric]
+                      for b, _ in benches]  # fmt: skip
+            if len(benches) > 1:
+                plain = [v for (b, _), v in zip(benches, values) if v is not None and b not in judged]
+                values.append(sum(plain) / len(plain) if plain else None)
+            lines.append(line([model, mode] + ["-" if v is None else pct(v) for v in values]))
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
+
+
+JUDGE_PROMPT = """You are grading an answer to a factual question. Compare the predicted answer with the gold \
+answer and choose one grade.
+
+A) CORRECT: the predicted answer contains the gold answer's meaning and says nothing that contradicts it. \
+Differences in capitalisation, punctuation, word order, spelling of names, or extra context that does not \
+contradict the gold answer are fine. A number must match the gold answer to the precision the question \
+asks for (e.g. "about 3,500" is fine for "3,518" only if the question does not ask for an exact figure). \
+Hedged answers are correct only if the hedge still commits to the gold answer.
+B) INCORRECT: the predicted answer contradicts the gold answer, names a different entity, date or number, \
+or lists several candidates of which some are wrong.
+C) NOT_ATTEMPTED: the predicted answer does not commit to any answer (e.g. "I don't know", "I could not \
+find it", an empty answer, or only a restatement of the question), and contradicts nothing.
+
+Judge only whether the predicted answer matches the gold answer; do not use your own knowledge to \
+second-guess the gold answer.
+
+Question: {question}
+Gold answer: {gold}
+Predicted answer: {predicted}
+
+Reply with one letter, A, B or C, and nothing else."""
+
+
+def judge_prompt(question: str, gold: str | Iterable[str], predicted: str | None) -> str:
+    """SimpleQA's grader prompt (l0_min.evaluation.judge_record); several gold aliases are joined with " | "."""
+    gold_text = gold if isinstance(gold, str) else " | ".join(gold)
+    return JUDGE_PROMPT.format(question=question.strip(), gold=gold_text.strip(),
+                               predicted=(predicted or "").strip() or "(no answer)")
 
 
 # ----------------------------------------------- corpora: what web_search / read_page search
@@ -698,37 +649,58 @@ WORKED_EXAMPLE = (
 )  # fmt: skip
 
 
+@dataclass
+class Settings:  # config envs.qa
+    entities: int = 60  # the size of the invented encyclopedia of synthetic tasks
+    answer_metric: str = "em"  # em | f1: what reward.em_weight multiplies
+
+
 class QA(TaskEnvBase):
-    metrics = ("em", "f1")
+    metrics = ("em", "f1")  # training: the reward's Unicode-aware match; evaluate.py: the papers' official scores first
+    eval_metrics = ("official_em", "official_f1", "em", "f1")
     tools = ("web_search", "read_page")
     system_prompt, worked_example = SYSTEM_PROMPT, WORKED_EXAMPLE
 
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.settings = settings(cfg, "qa", Settings)
+        if self.settings.answer_metric not in ("em", "f1"):
+            raise ValueError(f"envs.qa.answer_metric must be 'em' or 'f1', got {self.settings.answer_metric!r}")
+
     def tasks(self, source: str, limit: int | None = None) -> list[Task]:
-        """"synthetic[:train|:heldout]" (the world of data.synthetic_*), a benchmark name or a file."""
+        """"synthetic[:train|:heldout]" (the world of data.synthetic_* and envs.qa.entities), a benchmark name or a
+        file."""
         d = self.cfg.data
         if source.split(":")[0] != "synthetic":
             return data.load_tasks(source, d, limit)
         part = source.split(":", 1)[1] if ":" in source else "all"
-        w = make_world(d.synthetic_seed, d.synthetic_entities, d.synthetic_tasks)
+        w = make_world(d.synthetic_seed, self.settings.entities, d.synthetic_tasks)
         parts = dict(zip(("train", "heldout"), split(w.tasks, d.synthetic_heldout)), all=w.tasks)
         if part not in parts:
             raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
         return [t for t in parts[part] if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
 
     def score(self, ep: Episode) -> dict[str, float]:
-        """L0's answer reward (0.9 * EM + 0.1 * answered; reward.answer_metric "f1" puts F1 in place of EM)."""
+        """L0's answer reward (0.9 * EM + 0.1 * answered; envs.qa.answer_metric "f1" puts F1 in place of EM), with
+        the official EM / F1 of the papers' tables beside the training reward's Unicode-aware ones."""
         r, pred, golds = self.cfg.reward, ep.final_answer, ep.task.answers
         em, f1 = exact_match(pred, golds), f1_score(pred, golds)
-        if r.answer_metric not in ("em", "f1"):
-            raise ValueError(f"reward.answer_metric must be 'em' or 'f1', got {r.answer_metric!r}")
-        core = answer_reward(pred, f1 if r.answer_metric == "f1" else em, r.em_weight, r.has_answer_weight)
-        return {"core": core, "em": em, "f1": f1, "has_answer": float(has_answer(pred))}
+        core = answer_reward(pred, f1 if self.settings.answer_metric == "f1" else em, r.em_weight, r.has_answer_weight)
+        return {"core": core, "em": em, "f1": f1, "has_answer": float(has_answer(pred)),
+                "official_em": official_em(pred, golds), "official_f1": official_f1(pred, golds)}
+
+    def judge_prompt(self, question: str, golds: list[str], prediction: str | None) -> str:
+        return judge_prompt(question, golds, prediction)
+
+    def report(self, summaries: list[dict]) -> str:
+        return paper_table(summaries)
 
     def expert(self, task: Task) -> list[str]:
         return expert_actions(task)
 
     def corpus(self, tasks: list[Task]) -> list[dict]:
-        return corpus_from_tasks(tasks)
+        """tools.corpus (a corpus file: l0_min.search's bm25 indexes it) if set, else the tasks' own paragraphs."""
+        return load_corpus(self.cfg.tools.corpus) if self.cfg.tools.corpus else corpus_from_tasks(tasks)
 
 
 def make_env(cfg) -> QA:
