@@ -5,7 +5,7 @@ STAMP   := .venv/.installed
 SUDO    := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT_GOT := .venv/.apt-updated
 
-.PHONY: setup test test-fast test-tf5 demo bench gpu-deps gpu-smoke clean
+.PHONY: setup test test-fast test-tf5 demo bench gpu-deps gpu-smoke size clean
 
 $(STAMP): requirements.txt
 	@command -v bwrap >/dev/null || { $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq bubblewrap; }
@@ -68,6 +68,11 @@ gpu-smoke:
 	@test -x $(PY) || { echo "make gpu-smoke: no $(PY): python3 -m venv .venv && .venv/bin/pip install -r requirements-gpu.txt"; exit 2; }
 	$(PY) -m torch.distributed.run --standalone --nproc_per_node=$$($(PY) -c "import torch; print(min(2, torch.cuda.device_count()) or 2)") \
 	  bench/gpu_smoke.py $(ARGS)
+
+# Size is a feature: the core (l0_min/ outside the environments; envs/__init__.py, the seam, counts) and each environment
+size:
+	@echo "core: $$( (find l0_min -name '*.py' -not -path '*/envs/*'; echo l0_min/envs/__init__.py) | xargs cat | wc -l) lines"
+	@for f in l0_min/envs/[!_]*.py; do echo "$$f: $$(wc -l < $$f) lines"; done
 
 clean:
 	rm -rf runs .pytest_cache

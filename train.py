@@ -95,7 +95,8 @@ from l0_min.collect import Batches, InferenceDown, TaskStream, run_tasks  # noqa
 from l0_min.envs import ExpertPolicy, solved  # noqa: E402
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
 from l0_min.evaluation import format_summary, summarize_episodes, two_proportion_z_test  # noqa: E402
-from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
+from l0_min.distributed import close_distributed, from_rank0, init_distributed  # noqa: E402
+from l0_min.learner import Learner, NoRoom, shard_rows  # noqa: E402
 from l0_min.log import MetricsLogger, RunDir, batch_metrics, label, log_step, plot_rewards, step_header  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.runtime import PEAK_MB, rollout_env, settle_gc, sync_weights  # noqa: E402
@@ -103,17 +104,11 @@ from l0_min.viewer import write_viewer  # noqa: E402
 
 try:
     rank, world, device = init_distributed(cfg.learner.backend, cfg.learner.device)
-except (RuntimeError, ValueError) as e:  # learner.device=cuda without CUDA; a learner GPU already held by an inference server (learner.check_gpu_free)
+except (RuntimeError, ValueError) as e:  # learner.device=cuda without CUDA (distributed.cuda_missing says why)
     fail(str(e))
 # Small control messages go over a CPU (gloo) group with a long timeout: the other ranks wait in it
 # while rank 0 collects a batch, which may take far longer than a GPU collective's watchdog allows.
 control = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
-
-
-def from_rank0(obj):
-    box = [obj]
-    dist.broadcast_object_list(box, src=0, group=control)
-    return box[0]
 
 
 # rank 0 names the run folder and builds or converts a built-in model; every rank gets both
@@ -122,7 +117,7 @@ try:
 except FileNotFoundError as e:
     fail(f"model.path: {e}")
 run_name = Path(args.resume) if args.resume else Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
-run_path, model_path = map(Path, from_rank0((str(run_name), str(model_path))))
+run_path, model_path = map(Path, from_rank0((str(run_name), str(model_path)), control))
 run = RunDir(run_path)
 checkpoints = sorted(run.checkpoints.glob("step_*"))
 if args.resume and not checkpoints:
@@ -131,7 +126,10 @@ if args.resume and not checkpoints:
 # ---------------------------------------------------------------------------------------------
 # 2. the learner (all ranks); a resumed run continues from its last checkpoint
 
-learner = Learner(model_path, cfg.learner, cfg.algo, total_steps=cfg.run.steps, temperature=cfg.sampling.temperature)
+try:
+    learner = Learner(model_path, cfg.learner, cfg.algo, total_steps=cfg.run.steps, temperature=cfg.sampling.temperature)
+except (ValueError, NoRoom) as e:  # a speed setting that cannot run here; a GPU without room for the learner
+    fail(str(e))
 start_step, position = 0, 0
 if args.resume:
     position = learner.load(checkpoints[-1])["task_position"]
@@ -143,7 +141,7 @@ if rank0:
 
 def save_checkpoint(step: int, position: int) -> None:
     path = run.checkpoints / f"step_{step:05d}"
-    from_rank0(None)  # the other ranks wait for rank 0 (evaluating, syncing) in the control group
+    from_rank0(None, control)  # the other ranks wait for rank 0 (evaluating, syncing) in the control group
     learner.save(path, extra={"task_position": position})
     if rank0:
         for old in sorted(run.checkpoints.glob("step_*"))[:-1]:
@@ -241,7 +239,7 @@ def on_every_rank(fn, *args, **kwargs):
 def learner_step(msg, sft: bool = False):
     """Every rank: rank 0's message -> this rank's share of the rows -> one learner step; its stats, or
     None after a checkpoint when the message was ("stop", exit code)."""
-    kind, payload = from_rank0(msg)
+    kind, payload = from_rank0(msg, control)
     if kind == "stop":
         save_checkpoint(step, position)  # the tasks of a batch cut short are drawn again after a resume
         return None, payload

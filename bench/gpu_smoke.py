@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min import config as configlib  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
 from l0_min.inference import InferenceClient, episode_key  # noqa: E402
-from l0_min.learner import (Learner, all_reduce, close_distributed, init_distributed, nvidia_smi, shard_rows,  # noqa: E402
-                            token_logprobs)
+from l0_min.distributed import all_reduce, close_distributed, init_distributed, nvidia_smi  # noqa: E402
+from l0_min.learner import Learner, shard_rows, token_logprobs  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
 from l0_min.serve.server import start_server_process, stop_server_process  # noqa: E402
 

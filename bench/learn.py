@@ -23,7 +23,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min.config import Config  # noqa: E402
 from l0_min.episode import training_rows  # noqa: E402
-from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows  # noqa: E402
+from l0_min.distributed import close_distributed, init_distributed  # noqa: E402
+from l0_min.learner import Learner, shard_rows  # noqa: E402
 from bench.toy import EchoEnv, make_toy_model  # noqa: E402
 
 ap = argparse.ArgumentParser()

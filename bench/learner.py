@@ -78,8 +78,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from l0_min.config import Config, resolve
 from l0_min.episode import Row
 import l0_min.learner as learner_module
-from l0_min.learner import (VARLEN_KERNELS, Learner, LogProbHead, _concat, close_distributed, init_distributed, memory_estimate, pack_rows,
-                            shard_rows, token_logprobs)
+from l0_min.distributed import close_distributed, init_distributed
+from l0_min.learner import (VARLEN_KERNELS, Learner, LogProbHead, _concat, memory_estimate, pack_rows, shard_rows,
+                            token_logprobs)
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--quick", action="store_true")

@@ -136,7 +136,7 @@ class AgentConfig:
     # Prompting aids for small models (both off by default; configs/cpu_demo.yaml turns them on):
     prefill: str = ""  # text that opens every assistant turn, in the context ids, e.g. "<think>"
     worked_example: bool = False  # one solved example task as earlier chat turns before the task
-    system_prompt: str = ""  # "": agent.SYSTEM_PROMPT (every token of it is paid for in every context)
+    system_prompt: str = ""  # "": the run's environment's own (every token of it is paid for in every context)
 
 
 @dataclass
@@ -202,7 +202,7 @@ class RolloutConfig:
     max_concurrency: int = 64
     max_retries: int = 2  # environment failures are retried this often, then masked
     episode_timeout: float = 600.0
-    max_dropped_frac: float = 0.25  # more timeouts than this fraction of a batch is an error
+    max_dropped_frac: float = 0.25  # timed-out episodes dropped up to this fraction of a batch; past it kept as failures
     max_extra_groups: int = 16  # dynamic sampling: extra groups drawn at most per step
     over_sample_groups: int = 0  # launch this many extra groups, cancel stragglers when full
     overlap: int = 0  # k: collect up to k batches ahead while training (policy lag <= k); 0 = strictly on-policy

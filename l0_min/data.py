@@ -1,29 +1,16 @@
-"""Task sources: benchmark files in their public release layouts, the synthetic world, and corpora.
+"""Task files in their public release layouts (sniffed from a row's fields; .csv, .tsv, .json, .jsonl, .parquet,
+gzipped too), by name from $L0_MIN_DATA / data.data_dir or the Hugging Face hub, or by path:
 
-    load_tasks("hotpotqa")                     # by name: $L0_MIN_DATA / data.data_dir, else the HF hub
-    load_tasks("path/to/dev.jsonl")            # any supported file, layout sniffed from its fields
-    load_benchmark("bamboogle", "test.csv", limit=10)
+    load_tasks("hotpotqa"), load_tasks("path/to/dev.jsonl"), load_benchmark("bamboogle", "test.csv", limit=10)
 
-Supported layouts (each also as .parquet, and .json/.jsonl optionally gzipped):
-
-| layout   | fields                                                                            | benchmarks           |
-| -------- | --------------------------------------------------------------------------------- | -------------------- |
-| simpleqa | metadata, problem, answer (CSV; metadata a Python-literal dict)                   | SimpleQA             |
-| qa       | question, answer (str) [+ _id, type, level, supporting_facts, context, evidences] | HotpotQA, 2Wiki      |
-| musique  | id, question, answer, answer_aliases, paragraphs, ...                             | MuSiQue              |
-| csv_qa   | Question, Answer                                                                  | Bamboogle            |
-| gsm8k    | question, answer ("<worked solution>\n#### <number>": the number is the gold)      | GSM8K (env math)     |
-| answers  | question, answer/answers: [aliases]                                               | NQ-open (DPR .tsv)   |
-| triviaqa | {Data: [{Question, QuestionId, Answer: {Value, Aliases}}]}, or HF's flat form     | TriviaQA             |
-|          | question, question_id, answer: {value, aliases}                                   |                      |
-| flashrag | id, question, golden_answers [, metadata, data_source]                            | FlashRAG, Search-R1  |
-
-Aliases joined with `<|answer_split|>` (FlashRAG / R1-Searcher) are split. A row's `data_source`
-(mixed files such as Search-R1's test set) becomes its `meta["benchmark"]`, to score per source.
-A malformed or non-UTF-8 row raises `DataError` naming file and 1-based data row (a CSV row after
-the header, a JSONL line, a JSON list item); with `skip_bad_rows=True` (data.skip_bad_rows=true) it
-is skipped, logged and counted in the `Tasks`' `.skipped` and `.errors`. Ids come from the row's id
-field (`_id`, `id`, `idx`, `QuestionId`, `question_id`), else `<file stem>:<row>`.
+Layouts: simpleqa (metadata, problem, answer), qa (HotpotQA, 2Wiki: question, answer [, context ...]), musique,
+csv_qa (Bamboogle: Question, Answer), gsm8k (question, answer ending "#### <number>": the gold; env math),
+answers (NQ-open: answer(s) as aliases), triviaqa (nested or HF's flat form), flashrag (id, question,
+golden_answers [, data_source]). Aliases joined with `<|answer_split|>` are split; a row's `data_source` becomes
+its `meta["benchmark"]` (the canonical name: ALIASES), to score per source. A malformed or non-UTF-8 row raises
+`DataError` naming file and 1-based row; with `skip_bad_rows=True` it is skipped, logged and counted (`Tasks`'
+`.skipped`, `.errors`). Ids come from the row (`_id`, `id`, `idx`, `QuestionId`, `question_id`), else
+`<file stem>:<row>`. Synthetic tasks come from each environment's own generator.
 """
 
 from __future__ import annotations

@@ -1,31 +1,17 @@
-"""The SGLang HTTP client: token ids in, sampled token ids and their log-probs out. It speaks SGLang's
-native API (`POST /generate`, `/update_weights_from_disk`, `/health`, `/model_info`; `/get_model_info`
-before 0.5.x), so one code path drives SGLang servers on GPUs, an sglang-router, or the embedded CPU
-server (`python -m l0_min.serve`).
+"""The SGLang HTTP client: token ids in, sampled token ids and their log-probs out, over SGLang's native API, so
+one code path drives SGLang on GPUs, an sglang-router, or the embedded CPU server (`python -m l0_min.serve`).
 
     client = InferenceClient(["http://127.0.0.1:30000"], cfg.inference, max_connections=64)
     await client.wait_ready()                    # SGLang takes minutes to load: 503 until then
     gen = await client.generate(context_ids, {"max_new_tokens": 512, "temperature": 1.0, "stop": ["</code>"]})
-    gen.output_ids, gen.logprobs, gen.finish_reason      # exactly what the sampler produced
     await client.update_weights_from_disk("/abs/runs/x/weights/step_3", weight_version="3")
-    await client.close()
 
-Token-in/token-out: every request sends `input_ids` and asks for `return_logprob`, with `no_stop_trim`
-and `skip_special_tokens=False`, so the returned ids are all the sampled ids (stop token or stop string
-included) and the text decodes all of them.
-
-Routing (README "On GPUs, against SGLang"): generation goes to `urls`; weight updates and version checks to
-`inference.worker_urls` (default: `urls`). Every request of one episode (the context variable `episode_key`,
-sent through a router as the X-SMG-Routing-Key header) goes to one server, whose prefix cache holds its
-context: the first to the server with the fewest requests in flight (ties: round robin). A server that fails
-a connection is skipped for a few seconds while others answer.
-
-Failures: connection errors, timeouts and HTTP 5xx (503 included) are retried with exponential backoff
-(`backoff`, doubled each time, at most 30 s between tries) up to `max_retries` times, and while no
-server can be reached, until they have been down for `down_after` seconds; then InferenceError. A 4xx
-answer (a bad request) raises BadRequestError at once, with the server's message; a response without
-an expected field, InferenceError naming it. A weight update is never re-sent: when its answer is lost
-(timeout, dropped connection), the worker's weight version is polled until it reports the new one.
+Token-in/token-out: requests send `input_ids` with `return_logprob`, `no_stop_trim`, `skip_special_tokens=False`:
+the returned ids are all the sampled ids. An episode's requests (`episode_key`; X-SMG-Routing-Key through a
+router) go to one server, first the one with the fewest in flight; weight updates go to `inference.worker_urls`.
+Connection errors, timeouts and 5xx are retried with backoff until `down_after` seconds of outage (then
+InferenceError); a 4xx raises BadRequestError at once; a weight update is never re-sent: when its answer is lost,
+the worker's version is polled until it reports the new one.
 """
 
 from __future__ import annotations

@@ -20,20 +20,15 @@ of action positions (`LogProbHead`): no [tokens, vocab] fp32 tensor exists.
 
 from __future__ import annotations
 
-import datetime
 import functools
 import importlib.util
 import inspect
 import json
 import math
-import os
 import random
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,72 +41,12 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from l0_min import loss as losses
+from l0_min.distributed import all_reduce, init_distributed
 from l0_min.config import AlgoConfig, LearnerConfig
 from l0_min.episode import Row
 
 
-# -------------------------------------------------------------------------------- process group
-def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the torchrun process group (or make a 1-rank group for plain `python`) on `device` (learner.device:
-    auto = CUDA when torch can use it; cuda = RuntimeError with the reason when it cannot; cpu).
-
-    With CUDA the group is device-mapped, "cpu:gloo,cuda:nccl": plain "nccl" has no CPU backend, and
-    object collectives (control messages, checkpoint plans) run on CPU tensors.
-    """
-    if device not in ("auto", "cuda", "cpu"):
-        raise ValueError(f"learner.device: expected auto, cuda or cpu, got {device!r}")
-    cuda = device != "cpu" and torch.cuda.is_available()
-    if device == "cuda" and not cuda:
-        raise RuntimeError(cuda_missing())
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)  # before any collective: nccl's object collectives use the current device
-    if not dist.is_initialized():
-        if backend == "auto":
-            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        kw = {"device_id": device} if cuda and "nccl" in backend else {}
-        if "RANK" not in os.environ:  # plain python: a group of one, with an in-memory store (no port)
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-            kw |= {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=60), **kw)
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def close_distributed(group=None, code: int = 0) -> NoReturn:
-    """End the process once every rank got here. A rank tearing gloo down while another works, or Python's
-    finalization while FSDP modules hold the group's threads (pytorch#179291), can abort ("terminate called
-    without an active exception"): files and servers are closed by now, so os._exit, with the exit code."""
-    dist.barrier(group=group)
-    dist.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)
-
-
-def nvidia_smi() -> tuple[int, str] | None:
-    """(GPUs that nvidia-smi lists, the newest CUDA its driver supports), or None where it is absent or sees none."""
-    try:
-        out, gpus = (subprocess.run(["nvidia-smi", *a], capture_output=True, text=True, timeout=30).stdout for a in ([], ["-L"]))
-    except (OSError, subprocess.SubprocessError):
-        return None
-    cuda = re.search(r"CUDA Version:\s*([\d.]+)", out)
-    return (gpus.count("GPU "), cuda.group(1) if cuda else "?") if "GPU " in gpus else None
-
-
-def cuda_missing() -> str:
-    """Why torch cannot use CUDA here, in one line: a CPU build, no GPU seen, or a driver older than torch's CUDA."""
-    built, head = torch.version.cuda, f"learner.device=cuda but torch {torch.__version__} cannot use CUDA: "
-    if built is None:
-        return head + "it is a CPU build (on Linux, torch from PyPI is the CUDA build)"
-    if (smi := nvidia_smi()) is None:
-        return head + f"nvidia-smi finds no GPU (no driver, or none given to this container); torch is built for CUDA {built}"
-    (n, supported), vers = smi, lambda v: [int(x) for x in re.findall(r"\d+", v)]
-    if vers(supported) < vers(built):
-        return head + (f"nvidia-smi sees {n} GPU(s) but the driver supports CUDA {supported} and torch is built for CUDA "
-                       f"{built}: update the driver (CUDA 13 needs >= 580) or install a torch built for CUDA <= {supported}")
-    return head + (f"nvidia-smi sees {n} GPU(s), driver CUDA {supported}, torch built for CUDA {built}; check CUDA_VISIBLE_"
-                   f"DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')} and the container's --gpus")
-
-
+# --------------------------------------------------------------------------------------- memory
 def memory_estimate(config, n_params: int, n_train: int, cfg: LearnerConfig, world: int, mixed: bool, ref: bool) -> dict:
     """GiB per rank at its peak, by part: fp32 masters, their gradients and AdamW's two moments (4 + 4 + 8 B per
     trained parameter) and the KL reference in the compute dtype (a B), sharded over the ranks; the gathered compute
@@ -133,6 +68,10 @@ def memory_estimate(config, n_params: int, n_train: int, cfg: LearnerConfig, wor
     return {k: x / 2**30 for k, x in parts.items()}
 
 
+class NoRoom(RuntimeError):
+    """The learner cannot fit on its GPU (check_memory's line)."""
+
+
 def check_memory(parts: dict, device: torch.device, tokens: int) -> None:
     """Say what the learner needs against what is free on its GPU; stop with one line where it cannot fit."""
     free, total = (x / 2**30 for x in torch.cuda.mem_get_info(device))
@@ -140,17 +79,10 @@ def check_memory(parts: dict, device: torch.device, tokens: int) -> None:
     line = (f"~{need:.1f} GiB on GPU {device.index} (" + ", ".join(f"{k} {x:.1f}" for k, x in parts.items() if x)
             + f", per micro-batch of {tokens} tokens) of {free:.1f} free of {total:.1f}")  # fmt: skip
     if need > free:
-        raise RuntimeError(f"the learner needs {line}: {total - free:.1f} GiB are in use (an inference server?); give it "
+        raise NoRoom(f"the learner needs {line}: {total - free:.1f} GiB are in use (an inference server?); give it "
                            "its own GPUs (CUDA_VISIBLE_DEVICES), more ranks, or lower learner.micro_batch_tokens")
     if dist.get_rank() == 0:
         print(f"learner: memory {line}", file=sys.stderr, flush=True)
-
-
-def all_reduce(values: list, device: torch.device, op=dist.ReduceOp.SUM) -> list[float]:
-    """The learner's small collectives: float64 on its device (nccl needs CUDA tensors); numbers or 0-dim tensors."""
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
-    dist.all_reduce(t, op=op)
-    return t.tolist()
 
 
 # -------------------------------------------------------------------------------------- packing
@@ -606,7 +538,7 @@ class Learner:
         with torch.no_grad():  # the KL penalty's frozen reference (None: no penalty)
             ref_logps = None if self.ref is None else [token_logprobs(self.ref, b["ids"], b["pos"], None, self.temperature,
                                                                       b["packing"]) for b in batches]  # fmt: skip
-        clip, band = a.clip_eps if a.ppo_epochs > 1 else None, tuple(a.mask_band) if a.mask_band else None
+        clip = a.clip_eps if a.ppo_epochs > 1 else None
         stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "truncated": 0.0, "masked": 0.0}
         gap = {k: torch.zeros((), device=self.device) for k in ("tokens", "abs_log_ratio_sum", "abs_log_ratio_max", "k3_sum")}
         for epoch in range(a.ppo_epochs):
@@ -619,15 +551,7 @@ class Learner:
                 logp = token_logprobs(self.model, b["ids"], b["pos"], None, 1.0 if sft else self.temperature, b["packing"])
                 if epoch == 0:  # prox = the learner at the start of the step; the weights stay fixed for the step
                     b["prox"] = logp.detach()
-                    if not sft:
-                        w, keep = losses.behaviour_weights(b["prox"], b["old"], a.tis_cap, band)
-                        on = b["mask"] > 0
-                        if a.tis_cap > 0:
-                            stats["truncated"] += ((torch.exp(b["prox"] - b["old"]) > a.tis_cap) & on).sum()
-                        stats["masked"] += ((keep == 0) & on).sum()
-                        b["mask"] = b["mask"] * w * keep
-                        m = losses.mismatch(b["prox"], b["old"], on.float())
-                        gap = {k: torch.maximum(gap[k], v) if k.endswith("max") else gap[k] + v for k, v in m.items()}
+                    gap = gap if sft else self._correct(b, stats, gap)
                 loss = pg = losses.policy_loss(logp, b["prox"], b["adv"], b["mask"], n_global, clip)
                 if ref_logps is not None:
                     kl = (losses.kl_penalty(logp, ref_logps[i], a.kl_estimator) * b["mask"]).sum() / max(n_global, 1.0)
@@ -648,19 +572,37 @@ class Learner:
             self.opt.step()
         self.sched.step()
         self.step += 1
-        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum")
-        sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))  # each rank holds its share
-        (gap_max,) = all_reduce([gap["abs_log_ratio_max"]], self.device, op=dist.ReduceOp.MAX)
-        stats = {k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")} | {"grad_norm": float(stats["grad_norm"])}
-        if not sft:  # sampler vs learner on the action tokens (loss.mismatch), and what the correction did
-            n = max(sums["tokens"], 1.0)
-            stats.update({"mismatch/abs_log_ratio_mean": sums["abs_log_ratio_sum"] / n, "mismatch/abs_log_ratio_max": gap_max,
-                          "mismatch/kl_k3": sums["k3_sum"] / n, "tis/truncated_frac": sums["truncated"] / n,
-                          "tis/masked_frac": sums["masked"] / n})  # fmt: skip
+        stats = self._reduce(stats, gap, sft)
         secs = time.perf_counter() - t0
         stats.update(lr=self.sched.get_last_lr()[0], action_tokens=n_global, tokens=n_processed, train_seconds=secs,
                      tokens_per_s=n_processed / max(secs, 1e-9))
         return stats
+
+    def _correct(self, b: dict, stats: dict, gap: dict) -> dict:
+        """The behaviour correction of micro-batch `b` (loss.behaviour_weights): its mask times the truncated
+        importance weights and the band's keep; the counts of what it did go into `stats`, the sampler/learner gap
+        (loss.mismatch) into the returned `gap`. Sums stay on the device (no sync per micro-batch)."""
+        a, on = self.algo, b["mask"] > 0
+        w, keep = losses.behaviour_weights(b["prox"], b["old"], a.tis_cap, tuple(a.mask_band) if a.mask_band else None)
+        if a.tis_cap > 0:
+            stats["truncated"] += ((torch.exp(b["prox"] - b["old"]) > a.tis_cap) & on).sum()
+        stats["masked"] += ((keep == 0) & on).sum()
+        b["mask"] = b["mask"] * w * keep
+        m = losses.mismatch(b["prox"], b["old"], on.float())
+        return {k: torch.maximum(gap[k], v) if k.endswith("max") else gap[k] + v for k, v in m.items()}
+
+    def _reduce(self, stats: dict, gap: dict, sft: bool) -> dict:
+        """The step's numbers over every rank (each holds its share), read back once."""
+        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum")
+        sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))
+        (gap_max,) = all_reduce([gap["abs_log_ratio_max"]], self.device, op=dist.ReduceOp.MAX)
+        out = {k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")} | {"grad_norm": float(stats["grad_norm"])}
+        if not sft:  # sampler vs learner on the action tokens (loss.mismatch), and what the correction did
+            n = max(sums["tokens"], 1.0)
+            out.update({"mismatch/abs_log_ratio_mean": sums["abs_log_ratio_sum"] / n, "mismatch/abs_log_ratio_max": gap_max,
+                        "mismatch/kl_k3": sums["k3_sum"] / n, "tis/truncated_frac": sums["truncated"] / n,
+                        "tis/masked_frac": sums["masked"] / n})  # fmt: skip
+        return out
 
     # -- weights out ---------------------------------------------------------------------------
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:

@@ -216,7 +216,7 @@ def test_memory_estimate_is_the_hand_computation_for_qwen25_3b_and_stops_start_u
     assert sum(one.values()) == pytest.approx(57.1, abs=0.05)  # one H100 measured 57.0 (README)
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
-    with pytest.raises(RuntimeError, match=r"the learner needs ~24.1 GiB on GPU 3 \(weights 2.9, grads 2.9, AdamW 5.7, "
+    with pytest.raises(learner.NoRoom, match=r"the learner needs ~24.1 GiB on GPU 3 \(weights 2.9, grads 2.9, AdamW 5.7, "
                        r"reference 1.4, gathered 0.9, activations 10.3, per micro-batch of 32768 tokens\) of 10.0 free of "
                        r"80.0: 70.0 GiB are in use \(an inference server\?\)"):  # fmt: skip
         learner.check_memory(got, torch.device("cuda", 3), 32768)
@@ -232,7 +232,7 @@ def test_learner_device_cuda_without_cuda_stops_with_the_reason(monkeypatch):
 
     import torch
 
-    from l0_min import learner
+    from l0_min import distributed as learner
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 

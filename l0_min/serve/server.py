@@ -2,30 +2,14 @@
 
     python -m l0_min.serve --model smollm2-135m --port 30000
 
-Endpoints (the subset of SGLang's `http_server.py` that l0_min uses, same JSON):
-
-    POST /generate                  text or input_ids, single or batched, sampling_params (n, stop, ...)
-    POST /update_weights_from_disk  {model_path, weight_version, flush_cache, abort_all_requests, ...}
-    GET  /health                    200 once the model is loaded and the engine runs, else 503
-    GET  /health_generate           200 if a one-token generation goes through within 20 s
-    GET  /model_info                {model_path, tokenizer_path, is_generation, weight_version, ...}
-    GET  /get_model_info            the same (its name before SGLang 0.5.x)
-    GET  /get_weight_version        {weight_version}
-    GET|POST /flush_cache           200, or 400 while requests are in flight (as SGLang)
-
-Bad requests get SGLang's 400 bodies: `{"error": {"message": ...}}` for values /generate cannot serve,
-`{"object": "error", "message": ..., "type": "Bad Request", "param": null, "code": 400}` for a body
-that does not parse or has a field of the wrong type. Every message names the field. Fields SGLang has
-but this server does not implement are accepted only at their default value (a clear 400 otherwise).
-
-Differences from SGLang, on purpose:
-  - A weight update always drops the prefix cache (its keys/values belong to the old weights).
-  - No streaming, no input-token log-probs, no top-logprobs, no penalties, no constrained decoding.
-
-A weight update waits for in-flight requests (`UpdateLock`); with `abort_all_requests` they are aborted.
-
-It listens on 127.0.0.1 unless told otherwise (--host). With `--api-key KEY` every request but
-/health* needs `Authorization: Bearer KEY` (SGLang's check; 401 `{"error": "Unauthorized"}` otherwise).
+The subset of SGLang's `http_server.py` l0_min uses, same JSON: POST /generate (text or input_ids, single or
+batched, sampling_params), POST /update_weights_from_disk (waits for requests in flight, `UpdateLock`; with
+abort_all_requests they are aborted; the prefix cache always goes), GET /health (503 until the engine runs),
+/health_generate, /model_info (and /get_model_info, its name before 0.5.x), /get_weight_version, /flush_cache
+(400 while requests are in flight). Bad requests get SGLang's 400 bodies, naming the field; fields SGLang has and
+this server does not implement are accepted only at their default. No streaming, input-token log-probs,
+top-logprobs, penalties or constrained decoding. It listens on 127.0.0.1 unless told otherwise; with
+`--api-key KEY` every request but /health* needs `Authorization: Bearer KEY` (401 otherwise).
 """
 
 from __future__ import annotations
@@ -511,7 +495,7 @@ def start_server_process(model: str, port: int = 0, extra_args=(), *, host: str 
     log_path = Path(log_path)
     root = str(Path(__file__).resolve().parents[2])
     # OpenMP threads that wait sleep instead of spinning: beside kernels and a host loop on few cores, a
-    # spinning thread holds a core the others need (2 threads, 48 rows: 5.2 s a decode step vs 0.57 s)
+    # spinning thread holds a core the others need
     env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "l0_min.serve", "--model", str(model), "--host", host, "--port", str(port),

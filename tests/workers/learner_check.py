@@ -17,7 +17,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from l0_min.config import Config  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
-from l0_min.learner import Learner, close_distributed, init_distributed, shard_rows, token_logprobs  # noqa: E402
+from l0_min.distributed import close_distributed, init_distributed  # noqa: E402
+from l0_min.learner import Learner, shard_rows, token_logprobs  # noqa: E402
 from bench.toy import make_toy_model  # noqa: E402
 
 out, tmp = Path(sys.argv[1]), Path(sys.argv[2])

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from l0_min.config import Config, resolve  # noqa: E402
 from l0_min.episode import Row  # noqa: E402
-from l0_min.learner import Learner, close_distributed, init_distributed, pack_rows, shard_rows  # noqa: E402
+from l0_min.distributed import close_distributed, init_distributed  # noqa: E402
+from l0_min.learner import Learner, pack_rows, shard_rows  # noqa: E402
 from l0_min.models import save_random_llama, tiny_tokenizer  # noqa: E402
 
 
