@@ -164,6 +164,7 @@ def probed_run(tmp_path_factory):
     return eps, too_big
 
 
+@pytest.mark.slow
 def test_rollout_expert_solves_tasks_in_the_sandbox_workspace(probed_run):
     """The hidden setup cell wrote the files into the kernel's working directory and took web_search out
     of the namespace; the expert computed every answer from them, in code, through the real kernel."""
@@ -176,6 +177,7 @@ def test_rollout_expert_solves_tasks_in_the_sandbox_workspace(probed_run):
         assert all(s["exec_ok"] for s in e["steps"]) and e["final_answer"] == e["task"]["answers"][0]
 
 
+@pytest.mark.slow
 def test_a_workspace_that_cannot_be_written_is_an_environment_failure(probed_run):
     """Files over the sandbox's workspace size: retried, then masked; the agent took no step."""
     eps, too_big = probed_run

@@ -182,6 +182,7 @@ def make_env(cfg):
 '''
 
 
+@pytest.mark.slow
 def test_rollout_expert_solves_math_tasks_through_the_real_kernels_without_search(tmp_path):
     """`rollout.py env=math --expert`: every task answered right in one step of real kernel output; the
     kernel has no web_search / read_page, and the tool server refuses a call made around the namespace."""

@@ -67,12 +67,14 @@ def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     assert lora["max_logit_diff_vs_plain_peft"] < 1e-4 and lora["keys_as_base"] and lora["base_changed"] > 0
 
 
+@pytest.mark.slow
 def test_kl_reference_on_2_ranks_and_a_tied_model_exports_its_embedding_once(report):
     tied = report["tied"]  # issue 24: both builds once shared rank 0's dict, and the reference's build crashed
     assert tied["kl"][0] == 0.0 and tied["kl"][1] > 0  # the reference is the step-0 policy; step 2 left it
     assert tied["keys"] == ["model.embed_tokens.weight"]
 
 
+@pytest.mark.slow
 def test_the_kl_reference_is_kept_in_bf16_where_the_learner_computes_in_bf16(report):
     """Issue 35: with mixed precision the reference's weights are bf16 (half of fp32's memory); every gather cast
     them to bf16 anyway, so its log-probs are the step-0 policy's exactly (KL 0 at step 1) and the fp32 model's to
@@ -275,6 +277,7 @@ def fast_paths(tmp_path_factory):
     return json.loads((tmp / "report.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["full", "selective", "gathered", "units", "varlen", "compiled"])
 def test_each_speed_path_gives_the_eager_step_on_2_ranks(fast_paths, variant):
     """One FSDP2 step on 2 gloo ranks with each option = the eager step (one SDPA per row, nothing recomputed,
@@ -345,6 +348,7 @@ def test_the_mfu_bench_cut_off_by_a_time_limit_keeps_the_rows_it_finished(tmp_pa
     assert lines[-1].startswith("RESULT learner_mfu_tiny=") and "total" not in out
 
 
+@pytest.mark.slow
 def test_a_step_reads_nothing_back_from_the_device_per_micro_batch(fast_paths):
     """On a GPU each read of a tensor (.item(), float(), a bool, nonzero, .tolist()) stalls the host until the device
     has caught up, and the device then waits for the host's next launches. The learner's own reads in one RL step
