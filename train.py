@@ -222,7 +222,7 @@ if rank0:
                       f"({record[key + 'seconds']:.0f} s)", flush=True)
             logger.log(step, record)
 
-    if start_step == 0 and cfg.run.eval_every >= 0:
+    if start_step == 0 and cfg.run.eval_every >= 0 and cfg.run.eval_start:
         evaluate(0)
     if start_step >= sft_steps:
         print(header, flush=True)

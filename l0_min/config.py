@@ -39,6 +39,7 @@ class RunConfig:
     eval_every: int = 0  # evaluate on data.eval: -1 never, 0 before and after training, k also every k RL steps
     eval_samples: int = 1  # episodes per held-out task, at sampling.temperature
     eval_greedy: bool = False  # also evaluate greedily (a gain must not be only what a lower temperature gives)
+    eval_start: bool = True  # evaluate before the first step (false: its model was evaluated already, bench/ablate.py)
 
 
 @dataclass
@@ -162,6 +163,7 @@ class AlgoConfig:
     # the sampler is the behaviour policy: its log-probs vs the learner's at the start of the step (loss.py)
     tis_cap: float = 2.0  # truncated importance sampling: weight min(ratio, cap); 0 = off (plain on-policy)
     mask_band: list[float] = field(default_factory=list)  # [low, high]: mask tokens whose ratio is outside (off: [])
+    ratio_level: str = "token"  # token | chunk: one importance ratio per agent step's action (ROLL's IPA; loss.chunks)
     dynamic_sampling: bool = True  # drop groups whose core reward is all min or all max
     # stabilisers (ROLL team notes), off by default
     mask_env_failures: bool = False

@@ -57,6 +57,7 @@ class Step:
     segment: int = 0  # index of the append-only context segment this step belongs to
     reward: float = 0.0  # per-step reward, filled by rewards.score_episode
     seconds: float = 0.0
+    prefix: bool = False  # an expert's step the episode was started from (rollout.resample): context, never trained
 
 
 @dataclass
@@ -78,7 +79,12 @@ class Episode:
 
     @property
     def n_action_tokens(self) -> int:
-        return sum(len(s.action_ids) for s in self.steps)
+        """The policy's own action tokens (an expert prefix's are context)."""
+        return sum(len(s.action_ids) for s in self.steps if not s.prefix)
+
+    @property
+    def prefix_steps(self) -> int:
+        return sum(s.prefix for s in self.steps)
 
     def to_json(self) -> dict:
         """A JSON-able dict. A step that extends its predecessor's context + action (one segment) holds only
@@ -126,13 +132,17 @@ class Row:
 
 
 def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> list[Row]:
-    """Pack an episode into one row per context segment, each action span masked in.
+    """Pack an episode into one row per context segment, each action span masked in (an expert prefix's are
+    context: mask 0, whatever its advantage).
 
     >>> s0 = Step(context_ids=[1, 2], action_ids=[3, 4], action_logprobs=[-0.1, -0.2])
     >>> s1 = Step(context_ids=[1, 2, 3, 4, 9], action_ids=[5], action_logprobs=[-0.3])
     >>> r, = segment_rows(Episode(Task("t", "q", []), [s0, s1]), [1.0, -1.0])
     >>> r.ids, r.mask, r.adv
     ([1, 2, 3, 4, 9, 5], [0.0, 0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 1.0, 1.0, 0.0, -1.0])
+    >>> s0.prefix = True
+    >>> segment_rows(Episode(Task("t", "q", []), [s0, s1]), [1.0, -1.0])[0].mask
+    [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     """
     rows: list[Row] = []
     by_seg: dict[int, list[tuple[int, Step]]] = {}
@@ -147,7 +157,7 @@ def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> lis
             start = len(s.context_ids)
             if ids[start : start + len(s.action_ids)] != list(s.action_ids) or ids[:start] != list(s.context_ids):
                 raise ValueError(f"episode {ep.task.id}: step {i} is not a prefix of its segment {seg}")
-            for j, lp in enumerate(s.action_logprobs):
+            for j, lp in enumerate(s.action_logprobs if not s.prefix else ()):
                 mask[start + j] = weight
                 adv[start + j] = step_adv[i]
                 old[start + j] = lp
@@ -162,8 +172,10 @@ def training_rows(episodes: list[Episode], algo_cfg) -> list[Row]:
     by `algo.shape_advantages`; `algo.sample_weights` sets per-episode weights (a masked episode keeps
     its rows, with weight 0, so batch shape and statistics are unchanged).
     """
-    advs = algo.step_advantages([[s.reward for s in ep.steps] for ep in episodes], [ep.group for ep in episodes],
+    own = [[s for s in ep.steps if not s.prefix] for ep in episodes]  # an expert prefix is context, not the policy's
+    advs = algo.step_advantages([[s.reward for s in steps] for steps in own], [ep.group for ep in episodes],
                                 algo_cfg.advantage, algo_cfg.gamma, algo_cfg.eps)
+    advs = [[0.0] * ep.prefix_steps + a for ep, a in zip(episodes, advs)]
     advs = algo.shape_advantages(advs, algo_cfg.neg_adv_weight, algo_cfg.positive_only)
     weights = algo.sample_weights([ep.status == ENV_ERROR for ep in episodes],
                                   [ep.status != ANSWERED for ep in episodes], [ep.n_action_tokens for ep in episodes],

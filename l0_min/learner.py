@@ -131,11 +131,13 @@ def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
 
 
 def _concat(mb: list[Row], device) -> dict:
-    """A micro-batch's rows as flat tensors on the device and its `packing`, worked out on the host (no device sync)."""
+    """A micro-batch's rows as flat tensors on the device, each token's chunk (loss.chunks) and its `packing`,
+    worked out on the host (no device sync)."""
     cat = lambda f, dt: torch.cat([torch.as_tensor(f(r), dtype=dt) for r in mb])
     b = {"ids": cat(lambda r: r.ids, torch.long), "pos": cat(lambda r: range(len(r)), torch.long),
          "mask": cat(lambda r: r.mask, torch.float32), "adv": cat(lambda r: r.adv, torch.float32),
          "old": cat(lambda r: r.old_logp, torch.float32)}  # fmt: skip
+    b["chunk"] = losses.chunks(b["mask"])
     cu, longest, idx = packing(b["pos"], b["mask"] > 0)
     return {k: v.to(device) for k, v in b.items()} | {"packing": (cu.to(device), longest, idx.to(device))}
 
@@ -539,6 +541,8 @@ class Learner:
             ref_logps = None if self.ref is None else [token_logprobs(self.ref, b["ids"], b["pos"], None, self.temperature,
                                                                       b["packing"]) for b in batches]  # fmt: skip
         clip = a.clip_eps if a.ppo_epochs > 1 else None
+        if a.ratio_level not in ("token", "chunk"):
+            raise ValueError(f"algo.ratio_level: expected token or chunk, got {a.ratio_level!r}")
         stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "truncated": 0.0, "masked": 0.0}
         gap = {k: torch.zeros((), device=self.device) for k in ("tokens", "abs_log_ratio_sum", "abs_log_ratio_max", "k3_sum")}
         for epoch in range(a.ppo_epochs):
@@ -552,7 +556,8 @@ class Learner:
                 if epoch == 0:  # prox = the learner at the start of the step; the weights stay fixed for the step
                     b["prox"] = logp.detach()
                     gap = gap if sft else self._correct(b, stats, gap)
-                loss = pg = losses.policy_loss(logp, b["prox"], b["adv"], b["mask"], n_global, clip)
+                chunk = b["chunk"] if a.ratio_level == "chunk" else None
+                loss = pg = losses.policy_loss(logp, b["prox"], b["adv"], b["mask"], n_global, clip, chunk)
                 if ref_logps is not None:
                     kl = (losses.kl_penalty(logp, ref_logps[i], a.kl_estimator) * b["mask"]).sum() / max(n_global, 1.0)
                     loss = loss + a.kl_coef * kl
@@ -564,7 +569,8 @@ class Learner:
                     stats["loss"] += loss.detach()  # (sums on the device: no sync per micro-batch)
                     stats["pg_loss"] += pg.detach()
                 elif clip is not None:
-                    ratio = torch.exp(logp.detach() - b["prox"])
+                    d = logp.detach() - b["prox"]
+                    ratio = torch.exp(d if chunk is None else losses.chunk_mean(d, chunk))
                     outside = ((ratio - 1).abs() > clip).float() * (b["mask"] > 0).float()
                     stats["clip_frac"] += outside.sum() / max(n_global, 1.0) / (a.ppo_epochs - 1)
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -583,9 +589,10 @@ class Learner:
         importance weights and the band's keep; the counts of what it did go into `stats`, the sampler/learner gap
         (loss.mismatch) into the returned `gap`. Sums stay on the device (no sync per micro-batch)."""
         a, on = self.algo, b["mask"] > 0
-        w, keep = losses.behaviour_weights(b["prox"], b["old"], a.tis_cap, tuple(a.mask_band) if a.mask_band else None)
+        w, keep = losses.behaviour_weights(b["prox"], b["old"], a.tis_cap, tuple(a.mask_band) if a.mask_band else None,
+                                           b["chunk"] if a.ratio_level == "chunk" else None)  # fmt: skip
         if a.tis_cap > 0:
-            stats["truncated"] += ((torch.exp(b["prox"] - b["old"]) > a.tis_cap) & on).sum()
+            stats["truncated"] += ((w >= a.tis_cap) & on).sum()
         stats["masked"] += ((keep == 0) & on).sum()
         b["mask"] = b["mask"] * w * keep
         m = losses.mismatch(b["prox"], b["old"], on.float())

@@ -28,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 from typing import NoReturn
 
+from l0_min.envs import solved
 from l0_min.episode import ANSWERED, STATUSES, Episode, is_number
 from l0_min.viewer import write_viewer
 
@@ -135,6 +136,7 @@ def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
       exec_steps                              steps that ran code (exec_ok is not None)
       exec_error_rate                         steps with exec_ok False / exec_steps (None if 0)
       truncations                             sum of context rebuilds
+      resample/k<k>/episodes, /solved         episodes started from k expert steps, and how many of them solved it
       weight_versions                         sorted distinct policy versions of episodes and steps
 
     >>> from l0_min.episode import Step, Task
@@ -167,6 +169,11 @@ def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
     ran = [s.exec_ok for ep in episodes for s in ep.steps if s.exec_ok is not None]
     m["exec_steps"], m["exec_error_rate"] = len(ran), (sum(ok is False for ok in ran) / len(ran)) if ran else None
     m["truncations"] = sum(ep.truncations for ep in episodes)
+    for ep in (ep for ep in episodes if ep.prefix_steps):  # rollout.resample: started from k steps of the expert
+        key = f"resample/k{ep.prefix_steps}"
+        m[key + "/episodes"] = m.get(key + "/episodes", 0) + 1
+        ok = solved(ep, envs[ep.task.env]) if envs else ep.rewards.get("core") == 1.0
+        m[key + "/solved"] = m.get(key + "/solved", 0) + int(ok)
     versions = {ep.weight_version for ep in episodes} | {s.weight_version for ep in episodes for s in ep.steps}
     m["weight_versions"] = sorted(v for v in versions if v)
     names = sorted({ep.task.env for ep in train})

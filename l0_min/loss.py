@@ -31,8 +31,33 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     raise ValueError(f"algo.kl_estimator: unknown estimator {estimator!r} (k1 | k2 | k3)")
 
 
+def chunks(mask: torch.Tensor) -> torch.Tensor:
+    """Each token's chunk: the index of the run of action tokens (mask > 0) it is in, -1 off them. A chunk is one
+    agent step's action (observations lie between two actions), ROLL's unit of credit.
+
+    >>> chunks(torch.tensor([0.0, 1, 1, 0, 0, 1, 0, 1, 1])).tolist()
+    [-1, 0, 0, -1, -1, 1, -1, 2, 2]
+    """
+    on = mask > 0
+    starts = on & ~torch.cat([on.new_zeros(1), on[:-1]])
+    return torch.where(on, torch.cumsum(starts.long(), 0) - 1, -1)
+
+
+def chunk_mean(x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """Each token's chunk's mean of `x` (0 off the chunks); differentiable in `x`.
+
+    >>> chunk_mean(torch.tensor([5.0, 1, 3, 9, 2]), torch.tensor([-1, 0, 0, -1, 1])).tolist()
+    [0.0, 2.0, 2.0, 0.0, 2.0]
+    """
+    on, idx = chunk >= 0, chunk.clamp(min=0)
+    n = int(chunk.max()) + 1 if chunk.numel() else 0
+    sums = x.new_zeros(n).index_add(0, idx[on], x[on])
+    counts = x.new_zeros(n).index_add(0, idx[on], torch.ones_like(x[on]))
+    return torch.where(on, (sums / counts.clamp(min=1))[idx], 0.0)
+
+
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
-                n_tokens_global: float, clip_eps: float | None = None) -> torch.Tensor:
+                n_tokens_global: float, clip_eps: float | None = None, chunk: torch.Tensor | None = None) -> torch.Tensor:
     """DAPO token-level policy-gradient loss: the sum over action tokens divided by the number of
     action tokens in the WHOLE global batch (all micro-batches, all ranks), so long and short
     trajectories weigh per token, and micro-batching does not change the gradient.
@@ -52,18 +77,26 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
     >>> old = torch.tensor([-1.0, -1.0, -3.0])
     >>> round(policy_loss(lp, old, torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 3.0, 0.2).item(), 6)
     0.266667
+
+    With `chunk` (algo.ratio_level chunk: `chunks(mask)`) a token's ratio is its chunk's, the geometric mean
+    exp(mean(logp - old_logp)) over the chunk, clipped as one (GSPO's sequence ratio, per agent step). Tokens 0-1
+    are one chunk of ratio exp(-1/2) = 0.61, clipped to 0.8 for A = -1: surrogates [-0.8, -0.8, 1], loss 0.6 / 3:
+
+    >>> round(policy_loss(lp, old, torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 3.0, 0.2,
+    ...                   torch.tensor([0, 0, 1])).item(), 6)
+    0.2
     """
     if clip_eps is None:
         surrogate = logp * adv
     else:
-        ratio = torch.exp(logp - old_logp)
+        ratio = torch.exp(logp - old_logp if chunk is None else chunk_mean(logp - old_logp, chunk))
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * adv)
     return -(surrogate * mask).sum() / max(n_tokens_global, 1.0)
 
 
 # ---- the behaviour policy: the sampler's log-probs (behav) against the learner's at the start of the step (prox)
 def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float = 0.0,
-                      band: tuple[float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      band: tuple[float, float] | None = None, chunk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token correction for tokens the sampler drew: (weight, keep).
 
     ratio = pi_prox / pi_behav = exp(prox_logp - behav_logp), where prox is the learner's weights at
@@ -76,8 +109,15 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: fl
     >>> w, keep = behaviour_weights(prox, behav, cap=2.0, band=(0.5, 2.0))
     >>> [round(x, 6) for x in w.tolist()], keep.tolist()
     ([1.0, 2.0, 0.449329], [1.0, 0.0, 0.0])
+
+    Per chunk (`chunk`, ROLL's IPA): one ratio per agent step, the geometric mean of its tokens' (here tokens 0-1:
+    exp(1/2) = 1.65, inside the band; token 2 alone, 0.45, outside): a chunk is weighted and masked whole.
+
+    >>> w, keep = behaviour_weights(prox, behav, cap=2.0, band=(0.5, 2.0), chunk=torch.tensor([0, 0, 1]))
+    >>> [round(x, 6) for x in w.tolist()], keep.tolist()
+    ([1.648721, 1.648721, 0.449329], [1.0, 1.0, 0.0])
     """
-    ratio = torch.exp(prox_logp - behav_logp)
+    ratio = torch.exp(prox_logp - behav_logp if chunk is None else chunk_mean(prox_logp - behav_logp, chunk))
     weight = ratio.clamp(max=cap) if cap > 0 else torch.ones_like(ratio)
     keep = torch.ones_like(ratio) if band is None else ((ratio >= band[0]) & (ratio <= band[1])).to(ratio.dtype)
     return weight, keep

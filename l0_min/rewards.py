@@ -87,7 +87,7 @@ def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
     format = 3/4, exec = 2/3, core = 0.9*1 + 0.1*1 = 1.0
     ep.reward = 0.8*1.0 + 0.1*0.75 + 0.1*0.666667 = 0.941667 (= the sum of the column).
 
-    An episode without steps gets only its answer term.
+    An episode without steps gets only its answer term; an expert's prefix steps (Step.prefix) are not counted.
     """
     scores = env.score(ep)
     core = scores.get("core") if isinstance(scores, dict) else None
@@ -95,16 +95,18 @@ def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
         raise ValueError(f"env {env.name!r}: score() of task {ep.task.id!r} returned {str(scores)[:200]}: expected a dict "
                          "whose 'core' is a number in [0, 1]")  # fmt: skip
     core = float(core)
-    n, m = len(ep.steps), sum(1 for s in ep.steps if s.exec_ok is not None)
-    for i, s in enumerate(ep.steps):
+    own = [s for s in ep.steps if not s.prefix]  # an expert prefix (rollout.resample) earns nothing: not the policy's
+    n, m = len(own), sum(1 for s in own if s.exec_ok is not None)
+    for s in ep.steps:
         s.format_ok = format_ok(s.action_text, cfg.min_think_chars, cfg.min_code_chars, s.finish_reason)
-        r = cfg.format_weight * float(s.format_ok) / n
+        s.reward = 0.0
+    for i, s in enumerate(own):
+        s.reward = cfg.format_weight * float(s.format_ok) / n
         if s.exec_ok is not None:
-            r += cfg.exec_weight * float(s.exec_ok) / m
+            s.reward += cfg.exec_weight * float(s.exec_ok) / m
         if i == n - 1:
-            r += cfg.answer_weight * core
-        s.reward = r
-    fmt = sum(float(s.format_ok) for s in ep.steps) / n if n else 0.0
-    exe = exec_score(s.exec_ok for s in ep.steps)
+            s.reward += cfg.answer_weight * core
+    fmt = sum(float(s.format_ok) for s in own) / n if n else 0.0
+    exe = exec_score(s.exec_ok for s in own)
     ep.reward = total = cfg.answer_weight * core + cfg.format_weight * fmt + cfg.exec_weight * exe
     ep.rewards = {**scores, "core": core, "format": fmt, "exec": exe, "total": total}

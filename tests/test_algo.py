@@ -1,6 +1,8 @@
 """Exact-number tests of the RL math (l0_min/algo.py), its doctests, and the row builders."""
 
 
+import math
+
 import pytest
 import torch
 
@@ -115,3 +117,39 @@ def test_pack_rows_spreads_rows_evenly_over_as_many_micro_batches_as_first_fit_n
         assert len(even) == len(first_fit), trial
         assert sorted(map(id, (r for mb in even for r in mb))) == sorted(map(id, rows)), trial
         assert all(sum(map(len, mb)) <= budget or len(mb) == 1 for mb in even), trial
+
+
+def test_chunk_level_ratio_loss_and_gradient_by_hand():
+    """Issue 36, algo.ratio_level chunk: one importance ratio per agent step's action, the geometric mean of its
+    tokens' ratios (ROLL's IPA, GSPO's sequence ratio per chunk). By hand, two chunks [0, 1] and [3], N = 3:
+    - behaviour correction: chunk 0's ratio exp((0 + 1) / 2) = 1.6487 (TIS cap 1.5 -> weight 1.5 on both tokens),
+      chunk 1's exp(-1) = 0.3679, outside the band (0.5, 2): masked whole;
+    - PPO (old = logp + [0.2, -0.2, 0, 0.4]): chunk 0's ratio is exp of the mean of -0.2 and +0.2, 1, unclipped;
+      both its tokens carry ratio * A, and d ratio / d logp_t = ratio / |chunk|, so d loss / d logp_t =
+      -|chunk| * A * ratio / |chunk| / N = -A / N = -2 / 3, where per token ratio exp(+0.2) = 1.22 > 1.2 clips;
+    - on-policy (no clip) the chunk and token levels have the same gradient: -A_t / N per action token."""
+    import torch
+
+    from l0_min import loss
+
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0])
+    chunk = loss.chunks(mask)
+    assert chunk.tolist() == [0, 0, -1, 1]
+    prox, behav = torch.tensor([-1.0, -1.0, 0.0, -2.0]), torch.tensor([-1.0, -2.0, 0.0, -1.0])
+    w, keep = loss.behaviour_weights(prox, behav, cap=1.5, band=(0.5, 2.0), chunk=chunk)
+    assert w.tolist() == pytest.approx([1.5, 1.5, 1.0, math.exp(-1)], abs=1e-6) and keep.tolist() == [1, 1, 1, 0]
+    tw, tkeep = loss.behaviour_weights(prox, behav, cap=1.5, band=(0.5, 2.0))  # per token: token 1 alone is e^1
+    assert tw.tolist() == pytest.approx([1.0, 1.5, 1.0, math.exp(-1)], abs=1e-6) and tkeep.tolist() == [1, 0, 1, 0]
+
+    adv = torch.tensor([2.0, 2.0, 0.0, -1.0])
+    logp = torch.tensor([-0.5, -1.5, 0.0, -0.7], requires_grad=True)
+    old = logp.detach() + torch.tensor([0.2, -0.2, 0.0, 0.4])
+    g = torch.autograd.grad(loss.policy_loss(logp, old, adv, mask, 3.0, 0.2, chunk), logp)[0]
+    # chunk 1: ratio exp(-0.4) = 0.670, A = -1 < 0: the clipped -0.8 is the min of -0.670 and -0.8, no gradient
+    assert g.tolist() == pytest.approx([-2 / 3, -2 / 3, 0.0, 0.0], abs=1e-6)
+    g_token = torch.autograd.grad(loss.policy_loss(logp, old, adv, mask, 3.0, 0.2), logp)[0]
+    # per token: ratios exp(-0.2) = 0.819 and exp(0.2) = 1.221 (A = 2 > 0: 1.221 is clipped to 1.2, no gradient)
+    assert g_token.tolist() == pytest.approx([-2 * math.exp(-0.2) / 3, 0.0, 0.0, 0.0], abs=1e-6)
+    for c in (chunk, None):  # on-policy: the REINFORCE gradient, -A / N on every action token, either level
+        g = torch.autograd.grad(loss.policy_loss(logp, logp.detach(), adv, mask, 3.0, None, c), logp)[0]
+        assert g.tolist() == pytest.approx([-2 / 3, -2 / 3, 0.0, 1 / 3], abs=1e-6)
