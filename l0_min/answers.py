@@ -159,7 +159,8 @@ def split(tasks: list[Task], held_out: float = 0.2) -> tuple[list[Task], list[Ta
 
 
 # ----------------------------------------------------------------------------------------- numbers
-_NUMBER = re.compile(r"(?<![\w.])[-+−]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:\s*/\s*\d+)?(?![\w])")
+# a number starts with a digit or "." (a match from blank space scanned "\s*/" ahead: quadratic in the text)
+_NUMBER = re.compile(r"(?<![\w.])[-+−]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+)(?:\s*/\s*\d+)?(?![\w])")
 
 
 def parse_number(text: str | None) -> Fraction | float | None:

@@ -18,6 +18,8 @@ Failure handling (after the ROLL team's notes on agentic RL at scale):
   inference.down_after seconds ends the run with InferenceDown (the InferenceClient has already retried that
   long). A failure while the server answers /health (a refused request, an unusable response) is retried
   like an environment failure, then masked, instead of looping forever;
+- an exception from an environment's score() fails the episode, not the run: scored as unanswered when the
+  agent's answer raised it (`_score`), else masked;
 - dynamic sampling drops groups whose core reward (the environment's answer reward) has no variance and
   draws tasks until the batch is full, with at most rollout.max_extra_groups extra groups; past the cap, the
   batch is topped up with dropped groups so its size stays fixed.
@@ -33,6 +35,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Awaitable, Callable, Protocol
 
 from l0_min import algo
@@ -167,8 +170,27 @@ async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0) ->
             break
     ep.group, ep.sample = group, sample
     ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # after max_retries: a zero-weight placeholder for stats
-    score_episode(ep, svc.cfg.reward, svc.envs[task.env])
+    _score(ep, svc.cfg.reward, svc.envs[task.env])
     return ep
+
+
+def _score(ep: Episode, cfg, env: TaskEnv) -> None:
+    """score_episode, where nothing the environment's score() raises ends the run. If it raised on the agent's
+    answer (it scores the episode without one), the episode is scored as unanswered: the agent's failure;
+    if it raises without one too, the environment is at fault: the episode is masked (env_error)."""
+    try:
+        return score_episode(ep, cfg, env)
+    except Exception as e:
+        ep.error = f"the environment's score() raised {type(e).__name__} on the answer: {str(e)[:300]}"
+    answer, ep.final_answer = ep.final_answer, None
+    try:
+        score_episode(ep, cfg, env)
+    except Exception:
+        ep.status, ep.masked, ep.error = ENV_ERROR, True, ep.error.replace(" on the answer", "")
+        score_episode(ep, cfg, SimpleNamespace(name="", score=lambda ep: {"core": 0.0}))
+    finally:
+        ep.final_answer = answer
+    log.warning("episode of task %s: %s", ep.task.id, ep.error)
 
 
 async def run_tasks(svc: Services, tasks: list[Task], n_samples: int = 1,

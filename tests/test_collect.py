@@ -413,6 +413,31 @@ async def test_timeouts_are_dropped_up_to_the_cap_then_kept(budget):
     assert sum(answered_ok(e) for e in batch.episodes) == 3
 
 
+async def test_an_exception_from_score_fails_its_episode_never_the_run():
+    """Issue 34: an OverflowError from math's grader escaped run_one and collect_batch and ended training. Raised
+    on the agent's answer, the episode is scored as unanswered (trained on, not masked); raised on every answer
+    (the environment's bug), the episode is masked; the batch is collected either way."""
+    from l0_min.envs.qa import QA
+
+    class Fragile(QA):
+        def score(self, ep):
+            if ep.task.question == "broken" or ep.final_answer == "42":
+                raise OverflowError("integer division result too large for a float")
+            return super().score(ep)
+
+    cfg = config(batch_size=2, n_samples=2)
+    env = fake_env(cfg, ScriptedPolicyServer())
+    env.envs = {"qa": Fragile(cfg)}
+    batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("answer", "broken")), cfg.rollout, False), 30)
+    assert_well_formed(batch, 2, 2)
+    for e in batch.episodes:
+        assert e.final_answer == "42" and e.rewards["core"] == 0.0 and "OverflowError" in e.error, (e.status, e.error)
+        broken = e.task.question == "broken"
+        assert (e.status, e.masked) == ((ENV_ERROR, True) if broken else (ANSWERED, False))
+        assert ("on the answer" in e.error) != broken and e.reward > 0  # format and execution still count
+    assert batch.stats["episodes_masked"] == 2 and env.kernels.in_use == 0
+
+
 async def test_run_tasks_returns_every_sample_in_task_order():
     cfg = config(max_concurrency=3)
     env = fake_env(cfg, ScriptedPolicyServer(delay=0.01))

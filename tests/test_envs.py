@@ -95,6 +95,41 @@ def test_setup_cells_write_files_in_pieces_and_drop_tools_and_refuse_odd_paths(t
         setup_cells({"d/" + "a" * 256: "x"})
 
 
+def hostile_answers() -> list[str]:
+    """Answers a grader must survive: integers past float's range and past int's 4,300 digits, inf and nan
+    spelled every way, 10^5 characters of fractions and of blank space, unicode digits, lone surrogates, NUL,
+    then seeded random strings over digits and the characters numbers are written with."""
+    import random
+
+    fixed = ["1" * 400, "-" + "9" * 309, "9" * 4301, "1" * 100_000, "1e999", "-1e999", "1e-999", "nan", "NaN", "inf",
+             "-inf", "Infinity", "-0", "+0.0", "0/0", "1/0", "1/3 " * 25_000, "1" * 400 + "/" + "3" * 400,
+             " " * 100_000 + "1/", "1" + " " * 100_000 + "x", "٤٢", "４２", "²³", "১২৩/৪", "\ud800", "4\x002",
+             "1,000,000," * 10_000, "." * 100_000, "$" + "9" * 2000 + ".5", "", "   ", None]
+    rng = random.Random(0)
+    return fixed + ["".join(rng.choice("0123456789 ./,-+eE$%٣") for _ in range(rng.randrange(1, 3000)))
+                    for _ in range(50)]
+
+
+def test_property_no_answer_makes_a_built_in_environment_score_raise():
+    """Issue 34: submit_final_answer("1" * 400) made math's grader raise OverflowError and ended the run. Every
+    built-in environment scores every hostile answer: no exception, core in [0, 1], each within a second."""
+    import time
+
+    from l0_min.envs.files import make_tasks as file_tasks
+    from l0_min.episode import Episode, Task
+
+    tasks = {"qa": [Task("q", "Capital?", ["Paris", "42"]), Task("q2", "Grade?", ["A+"])],
+             "math": [Task("m", "?", [g], env="math") for g in ("42", "1/3", "-0.5", "1200", "0")],
+             "files": file_tasks(0, 8)}
+    for name, ts in tasks.items():
+        env = load_env(name, configlib.resolve([f"env={name}"]))
+        for t in ts:
+            for answer in hostile_answers():
+                t0 = time.perf_counter()
+                core = env.score(Episode(t, final_answer=answer))["core"]
+                assert 0.0 <= core <= 1.0 and time.perf_counter() - t0 < 1.0, (name, t.answers, str(answer)[:40], core)
+
+
 @pytest.mark.slow
 def test_a_new_environment_from_the_readme_trains_through_train_py_mixed_with_qa(tmp_path):
     """The fork story: the README's environment file, named by module path, in one run with QA: SFT on both
