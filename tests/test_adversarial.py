@@ -16,6 +16,7 @@ import resource
 import socket
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -1110,3 +1111,33 @@ async def test_13_property_any_string_on_any_path_reaches_the_tokenizer_and_the_
     assert ep.status == ANSWERED and ep.final_answer == pairs(hostile(0) + hostile(14)) and ep.truncations, ep.error
     run.write_trajectories(2, [ep])
     assert read_episodes(run.trajectory_path(2))[0].final_answer == ep.final_answer
+
+
+# =========================================================================== issue 34: the second round
+# An outside attack run found an answer that crashed training (tests/test_envs.py, test_collect.py), one episode
+# masking others through the shared search thread, a notepad parsed on the event loop, memory without a cgroup
+# and the shared memory limit as a masking path.
+
+# --------------------------------------------------------------------------- 14. the notepad's parser
+
+ONE_OR = ("get_ipython().user_expressions = lambda expressions: {name: {'status': 'ok', 'metadata': {}, "
+          "'data': {'text/plain': '1or ' * 8000 + '1'}} for name in expressions}")  # the reply the host parses
+
+
+async def test_14_a_notepad_that_chokes_a_python_parser_costs_the_loop_nothing(tools):
+    """Before: the host read the notepad back with ast.literal_eval on its event loop: '1or ' * 8000 + '1' (32 k
+    characters, under its size check) cost 40-80 ms a read and wrote 8,000 SyntaxWarning lines to the trainer's
+    stderr; 3-4 such episodes at once stalled the loop past 100 ms. Now it arrives as JSON."""
+    kernels = await started(8, tools, kcfg=KernelConfig(exec_timeout=10, start_timeout=60))  # 8,000 characters
+    try:
+        assert all(r.ok for r in await asyncio.gather(*(k.execute(ONE_OR) for k in kernels)))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            async with host_health(tools, "14 8 notepads of '1or ' * 8000 + '1', read at once, 5 times"):
+                for _ in range(5):
+                    notes = await asyncio.gather(*(k.read_notepad() for k in kernels))
+                    assert all(n.startswith("(the notepad is unavailable: the kernel sent no text of at most 8,000 "
+                                            "characters") for n in notes), notes[0]  # fmt: skip
+    finally:
+        await asyncio.gather(*(k.shutdown() for k in kernels))
+    assert not [w for w in caught if issubclass(w.category, SyntaxWarning)], caught[:3]

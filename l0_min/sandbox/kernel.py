@@ -29,11 +29,11 @@ many frames is held whole in the host's zmq buffers before it can be counted.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import contextlib
 import functools
 import glob
+import json
 import logging
 import os
 import re
@@ -521,12 +521,13 @@ class Kernel:
 
     async def read_notepad(self) -> str:
         """notepad.render() from inside the kernel (silent: no output, not in the history), trimmed
-        to max_output_chars. Whatever the agent did, the answer is text (a note if the kernel sent no
-        such text within 10 s), and raises KernelDied only if the kernel is gone."""
+        to max_output_chars, sent as JSON (no Python parser on the host's loop). Whatever the agent did,
+        the answer is text (a note if the kernel sent no such text within 10 s), and raises KernelDied
+        only if the kernel is gone."""
         if not self.is_alive():
             raise self._died()
         limit, unavailable = self.kcfg.max_output_chars, "(the notepad is unavailable: {})".format
-        expr = f"__import__('l0_toolbox._capture', fromlist=['trim']).trim(str(notepad.render()), {limit})"
+        expr = f"__import__('l0_toolbox._capture', fromlist=['Json']).Json(notepad.render(), {limit})"
         try:
             async with self._lock:
                 r = await self._request("", silent=True, user_expressions={"n": expr},
@@ -543,9 +544,9 @@ class Kernel:
             if n["status"] != "ok":
                 return trim(unavailable(f"{n.get('ename', '?')}: {n.get('evalue', '')}"), 300)
             raw = n["data"]["text/plain"]
-            if len(raw) > 4 * limit + 100:  # the repr of at most `limit` characters is shorter
+            if len(raw) > 12 * limit + 2:  # the JSON of `limit` characters: at most 12 each (\ud83d\ude00)
                 raise ValueError(f"{len(raw):,} characters arrived")
-            text = ast.literal_eval(raw)
+            text = json.loads(raw)
             if not isinstance(text, str):
                 raise ValueError(f"a {type(text).__name__} arrived")
         except Exception as e:

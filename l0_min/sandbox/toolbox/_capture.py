@@ -16,6 +16,7 @@ A cell can undo this (it runs in the same process), but only to its own cost: th
 bounds what it keeps, and its zmq sockets refuse messages over a size limit.
 """
 
+import json
 import re
 import threading
 from collections import OrderedDict
@@ -46,6 +47,16 @@ def trim(text: str, limit: int) -> str:
     for m in _MARKER_RE.finditer(cut):  # an earlier marker stands for more than its own length
         n += int(m.group(1).replace(",", "")) - len(m.group(0)) - 2
     return text[:head] + MARKER.format(n=n) + (text[len(text) - tail :] if tail else "")
+
+
+class Json:
+    """`text` trimmed to `limit`, shown as a JSON string: the host reads it back (the notepad) with json.loads."""
+
+    def __init__(self, text, limit: int):
+        self.text = trim(str(text), limit)
+
+    def __repr__(self) -> str:
+        return json.dumps(self.text)
 
 
 class _Cell:
