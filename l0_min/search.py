@@ -101,7 +101,14 @@ class BM25Backend:
                 for i, s in zip(idx[0].tolist(), scores[0].tolist()) if s > 0]  # 0: no query word in the document
 
     async def search(self, query: str, k: int) -> list[dict]:
-        return await asyncio.get_running_loop().run_in_executor(self._thread, self.search_sync, query, k)
+        """search_sync in the search thread. Cancelled, a search still queued leaves the queue; one that has
+        started holds the thread until it ends, and so does its caller (the tool server's turn of an episode)."""
+        job = self._thread.submit(self.search_sync, query, k)
+        try:
+            return await asyncio.wrap_future(job)  # cancelling it cancels the job, unless the job has started
+        finally:
+            if job.running():
+                await asyncio.wait([asyncio.wrap_future(job)])
 
     async def close(self) -> None:
         self._thread.shutdown(wait=False, cancel_futures=True)

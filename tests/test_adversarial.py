@@ -1141,3 +1141,73 @@ async def test_14_a_notepad_that_chokes_a_python_parser_costs_the_loop_nothing(t
     finally:
         await asyncio.gather(*(k.shutdown() for k in kernels))
     assert not [w for w in caught if issubclass(w.category, SyntaxWarning)], caught[:3]
+
+
+# --------------------------------------------------------------------------- 15. one episode's searches, another's time
+
+HANG_UP = """import json, os, socket, threading, time
+body = json.dumps({'tool': 'web_search', 'args': {'query': QUERY}})
+request = (f'POST /call HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\nContent-Length: {len(body)}\\r\\n\\r\\n'
+           + body).encode()
+end = time.time() + SECONDS
+def hammer():  # the costliest query the caps allow, as fast as the server accepts, hanging up after 150 ms
+    while time.time() < end:
+        s = socket.socket(socket.AF_UNIX)
+        s.settimeout(0.2)
+        try:
+            s.connect(os.environ['L0_TOOLS_SOCKET'])
+            s.sendall(request)
+            time.sleep(0.15)
+        except OSError:
+            time.sleep(0.02)
+        finally:
+            s.close()
+threads = [threading.Thread(target=hammer) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()"""
+
+
+async def test_15_two_episodes_flooding_search_slow_only_themselves_and_mask_no_one():
+    """Before: aiohttp ran on the handler of a connection its client had closed, so the 8-connection cap did
+    not bound work in flight: two episodes sending the costliest query (2,000 characters of common terms,
+    ~113 ms on a 100k-document index) 10 times a second and hanging up after 150 ms grew the search queue until
+    every search timed out: a third episode that answered correctly was masked as env_error, and an unrelated
+    episode's cells timed out. The 100k documents here are 12 words each (a query's own work ~15 ms); each
+    search holds the search thread for the issue's measured cost, 113 ms per 2,000 characters."""
+    import random
+
+    from l0_min.search import BM25Backend
+
+    class Measured(BM25Backend):
+        def search_sync(self, query, k):
+            t, hits = time.perf_counter(), super().search_sync(query, k)
+            time.sleep(max(0.0, 0.113 * len(query) / 2000 - (time.perf_counter() - t)))
+            return hits
+
+    rng, common = random.Random(0), [f"w{i}" for i in range(60)]
+    docs = [{"id": f"d{i}", "title": f"t{i}", "text": " ".join(rng.choices(common, k=12))} for i in range(100_000)]
+    backend = Measured(docs + [{"id": "c", "title": "Capital", "text": "The capital."}])
+    server = ToolServer(backend, timeout=2)  # before, the queue grew 1.26 s a second: past 2 s after 1.6 s
+    await server.start()
+    query, seconds = " ".join(common * 20)[:2000], 5
+    attack = HANG_UP.replace("QUERY", repr(query)).replace("SECONDS", str(seconds))
+    cfg = episode_config()
+    cfg.rollout.max_retries = 1
+    envs = [Services(cfg, None, Kernels(await started(1, server)), server, TOK, {"qa": QA(cfg)}) for _ in range(3)]
+    benign = ["import time\ntime.sleep(2)", "r = web_search('capital')\nprint(len(r), r[0]['title'])",
+              "r = web_search('capital w1 w2')\nprint(len(r))", "submit_final_answer('a')"]  # fmt: skip
+    for env, codes in zip(envs, [(attack, "submit_final_answer('x')")] * 2 + [benign]):
+        env.policy = Script(*codes, *codes)  # a retry (on main) plays them again
+    try:
+        async with host_health(server, "15 two episodes flooding search with 2,000-character queries, hanging up"):
+            *attackers, ep = await asyncio.gather(*(run_one(e, Task(f"e{i}", "q", ["a"])) for i, e in enumerate(envs)))
+    finally:
+        await server.close()
+        await backend.close()
+    print({e.task.id: (e.status, [round(s.seconds, 2) for s in e.steps], e.error[:100]) for e in (*attackers, ep)})
+    assert ep.status == ANSWERED and not ep.masked and ep.rewards["core"] == 1.0, (ep.status, ep.error)
+    assert ep.steps[1].observation.split("<output>\n")[1].startswith("1 Capital"), ep.steps[1].observation
+    assert all(s.exec_ok for s in ep.steps) and max(s.seconds for s in ep.steps[1:]) < 2.0  # 2 turns of 113 ms, and more
+    for a in attackers:  # their own searches waited in their own lines: not the environment's failure, not masked
+        assert a.status == ANSWERED and not a.masked and a.steps[0].seconds >= seconds, (a.status, a.error)
+    assert sum(env.counters["env_retries"] for env in envs) == 0

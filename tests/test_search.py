@@ -31,7 +31,78 @@ def bm25(world):
 
 
 # ---------------------------------------------------------------------------------------------
+# the tool server's turns
+
+
+async def test_an_episodes_tool_calls_wait_in_its_own_line_and_a_hang_up_ends_its_call():
+    """One call per episode at the backend: an episode's third call of 0.6 s waits past the 1 s timeout (an
+    error to its agent, not a backend failure), another episode's call meanwhile takes 0.6 s; a client that
+    hangs up ends its call at the backend (aiohttp's handler cancellation)."""
+    import asyncio
+    import time
+
+    import aiohttp
+
+    from l0_min.sandbox.tools import ToolServer
+
+    class Sleepy:
+        cancelled = 0
+
+        async def search(self, query, k):
+            try:
+                await asyncio.sleep(float(query))
+            except asyncio.CancelledError:
+                Sleepy.cancelled += 1
+                raise
+            return []
+
+    server = ToolServer(Sleepy(), timeout=1.0)
+    await server.start()
+    paths = {key: server.open_episode(key) for key in "ab"}
+
+    async def call(key, query, timeout=5.0):
+        t = time.monotonic()
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(paths[key])) as session:
+            body = {"tool": "web_search", "args": {"query": query}}
+            async with session.post("http://x/call", json=body, timeout=aiohttp.ClientTimeout(timeout)) as r:
+                return (await r.json()).get("error"), time.monotonic() - t
+
+    try:
+        a = [asyncio.ensure_future(call("a", "0.6")) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        assert await call("b", "0.6") == (None, pytest.approx(0.6, abs=0.25))  # not behind a's calls
+        (e1, t1), (e2, t2), (e3, t3) = sorted(await asyncio.gather(*a), key=lambda r: r[1])  # 0.6, 1.0, 1.2 s
+        assert (e1, e3) == (None, None) and 0.9 < t2 and t3 > 1.15, (t1, t2, t3)  # the last ran after the first
+        assert e2 == "this episode's earlier tool calls held the backend for 1 s" and server.backend_errors("a") == []
+        with pytest.raises(asyncio.TimeoutError):
+            await call("b", "30", timeout=0.3)  # the client hangs up
+        await asyncio.sleep(0.1)
+        assert Sleepy.cancelled == 1 and server.backend_errors("b") == []
+    finally:
+        await server.close()
+
+
+# ---------------------------------------------------------------------------------------------
 # BM25
+
+
+async def test_a_cancelled_bm25_search_leaves_the_queue_or_holds_its_caller_until_its_thread_is_free(bm25, monkeypatch):
+    """The tool server's per-episode turn counts the search thread's real work: a search cancelled while queued
+    never runs, one cancelled while running returns (cancelled) only when it has ended."""
+    import asyncio
+    import time
+
+    ran, sync = [], bm25.search_sync
+    monkeypatch.setattr(bm25, "search_sync", lambda q, k: (ran.append(q), time.sleep(0.3), sync(q, k))[-1])
+    first, queued = (asyncio.ensure_future(bm25.search(q, 1)) for q in ("first", "queued"))
+    await asyncio.sleep(0.1)  # the first runs, the second waits for the thread
+    t = time.monotonic()
+    for task in (queued, first):
+        task.cancel()
+    await asyncio.gather(first, queued, return_exceptions=True)
+    assert first.cancelled() and queued.cancelled() and time.monotonic() - t > 0.1 and ran == ["first"]
+    await asyncio.sleep(0.4)
+    assert ran == ["first"]  # the queued one never ran
 
 
 def test_bm25_finds_every_supporting_page_by_name(world, bm25):

@@ -24,6 +24,11 @@ A connection carries one request, and an episode's connections are accepted at m
 a second (a burst of as many): its tool calls, submit_final_answer included, wait beyond that. A request
 is at most `max_request_bytes`, a text argument at most `max_arg_chars` (a clear error to the agent);
 searches run off the event loop (search.BM25Backend), and queries go to a backend as valid Unicode.
+
+One episode's tool work cannot delay another's beyond its turn: an episode's backend calls wait in its own
+line, `backend_calls` of them at the backend at once, and a call whose client hung up leaves the line or
+the backend (aiohttp's handler cancellation; BM25Backend drops a queued search). A wait in its own line
+past `timeout` is the episode's doing (an error to the agent); only a backend call past it is a failure.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ TOOLS = ("web_search", "read_page", "submit_final_answer")
 class ToolServer:
     max_connections = 8  # open connections per episode
     calls_per_second = 10  # per episode; a legit cell makes a few
+    backend_calls = 1  # per episode at the backend at once; its other calls wait in its own line
     max_arg_chars = 2000  # a query, a ref, an answer
     max_request_bytes = 64 << 10  # 3 such arguments, JSON-escaped at up to 6 bytes a character, fit
 
@@ -74,7 +80,7 @@ class ToolServer:
         self.root = tempfile.mkdtemp(prefix="l0_min-tools-")
         app = web.Application(client_max_size=self.max_request_bytes)
         app.router.add_post("/call", self._handle)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)  # a hang-up ends its call
         await self._runner.setup()
 
     async def close(self) -> None:
@@ -100,14 +106,15 @@ class ToolServer:
         os.chmod(path, 0o666)  # the sandbox may run as another uid; the folder keeps others out
         sock.listen(self.max_connections)  # connections queue from now on
         sock.setblocking(False)
-        self._sites[key], self._by_path[path] = (path, sock, set(), [self.calls_per_second, time.monotonic()]), key
+        bucket, line = [self.calls_per_second, time.monotonic()], asyncio.Semaphore(self.backend_calls)
+        self._sites[key], self._by_path[path] = (path, sock, set(), bucket, line), key
         self._calls[key] = Counter()
         asyncio.get_running_loop().add_reader(sock, self._accept, key)
         return path
 
     def _accept(self, key: str) -> None:
         """Accept what the episode's connection cap and call rate allow, then pause (bounded work per turn)."""
-        path, sock, open_, bucket = self._sites[key]
+        path, sock, open_, bucket, _ = self._sites[key]
         open_ -= {c for c in open_ if c.fileno() < 0}  # closed by aiohttp
         loop, now = asyncio.get_running_loop(), time.monotonic()
         bucket[:] = min(self.calls_per_second, bucket[0] + (now - bucket[1]) * self.calls_per_second), now
@@ -183,6 +190,7 @@ class ToolServer:
         key = self._by_path.get(request.transport.get_extra_info("sockname") if request.transport else None)
         if key is None:
             return _reply(False, "this socket belongs to no open episode", 403)
+        line = self._sites[key][4]
         try:
             body = await request.json()
             tool, args = body["tool"], body.get("args") or {}
@@ -199,7 +207,7 @@ class ToolServer:
         try:
             if tool == "submit_final_answer":
                 return _reply(True, self._submit(key, args))
-            result = await asyncio.wait_for(self._backend_call(tool, args), self.timeout)
+            result = await self._in_turn(line, tool, args)
         except ValueError as e:
             return _reply(False, str(e), 400)
         except asyncio.TimeoutError:
@@ -231,6 +239,17 @@ class ToolServer:
             return {"accepted": False, "answer": self._answers[key]}
         self._answers[key] = answer
         return {"accepted": True, "answer": answer}
+
+    async def _in_turn(self, line: asyncio.Semaphore, tool: str, args: dict):
+        """The backend call, in the episode's turn (its `line`): a wait past `timeout` is the agent's error."""
+        try:
+            await asyncio.wait_for(line.acquire(), self.timeout)
+        except asyncio.TimeoutError:
+            raise ValueError(f"this episode's earlier tool calls held the backend for {self.timeout:g} s") from None
+        try:
+            return await asyncio.wait_for(self._backend_call(tool, args), self.timeout)
+        finally:
+            line.release()
 
     async def _backend_call(self, tool: str, args: dict):
         if self.backend is None:
