@@ -499,6 +499,21 @@ def skip_without(protection: str) -> None:
         pytest.skip(f"this host cannot provide it: {missing[protection]}")
 
 
+NO_CGROUP = "no cgroup for sandboxes: turned off by the test"
+
+
+@pytest.fixture(params=["cgroup", "no cgroup"])
+def memory_mode(request, monkeypatch):
+    """Issue 34: each memory test runs with the sandboxes' cgroups and with none (cloud VMs and most containers:
+    the memory watch and seccomp alone), cgroup detection turned off."""
+    if request.param == "no cgroup":
+        monkeypatch.setattr(cgroup, "detect", lambda: NO_CGROUP)
+        monkeypatch.setattr(cgroup, "shared", lambda: NO_CGROUP)
+    else:
+        skip_without("cgroup")
+    return request.param
+
+
 class Script:
     """A policy that plays fixed actions (tiny-random's byte tokenizer: id = byte + 3)."""
 
@@ -629,30 +644,50 @@ async def test_2_the_accept_loop_stays_quiet_and_recovers_when_the_host_is_out_o
 # --------------------------------------------------------------------------- 3. memory past the limits
 
 
-async def test_3_memfds_tmpfs_files_and_inodes_count_against_the_sandboxs_memory_limit(tools):
-    """Before: memfd writes held 2.5 GiB under a 2 GiB RLIMIT_AS; inode floods cost host memory."""
-    skip_without("cgroup")
+FORKS = """import os, time
+for _ in range(8):  # 8 x 64 MB, each process far under RLIMIT_AS (2 GB), 512 MB in all
+    if os.fork() == 0:
+        hog = bytearray(b'1') * (64 << 20)
+        time.sleep(30)
+        os._exit(0)
+time.sleep(30)"""
+UNCHARGED = """import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+shmget = {'x86_64': 29, 'aarch64': 194}[os.uname().machine]
+try:
+    os.memfd_create('hog')
+    print('memfd')
+except OSError as e:
+    print(errno.errorcode[e.errno])
+print('shmget', libc.syscall(shmget, 0, 64 << 20, 0o1600), errno.errorcode.get(ctypes.get_errno()))"""
+
+
+async def test_3_memfds_tmpfs_files_and_inodes_count_against_the_sandboxs_memory_limit(tools, memory_mode):
+    """Before: memfd writes held 2.5 GiB under a 2 GiB RLIMIT_AS; inode floods cost host memory. Without a cgroup
+    (issue 34) the sandbox was bounded by RLIMIT_AS alone: 8 forks held 3.2 GB. Now: memfds and SysV shm are
+    refused where no cgroup charges them, and the host's memory watch kills a sandbox past its limit."""
     cfg = SandboxConfig(workspace_mb=32, tmp_mb=64, total_memory_mb=384, max_procs=48)
     k = Kernel(cfg, KCFG, tools)
     await k.start()
     try:
-        usage_file = f"{k._cgroup.dirs[0]}/memory.{'current' if k._cgroup.version == 2 else 'usage_in_bytes'}"
-
-        def usage() -> int:
-            with open(usage_file) as f:
-                return int(f.read())
-
-        async with host_health(tools, "3 memfd past the sandbox's memory, inode flood"):
+        async with host_health(tools, f"3 memfd past the sandbox's memory, inode flood ({memory_mode})"):
             assert (await k.execute("import os\nos.getpid()")).result == "2"
-            for pid in sandbox_pids(k):  # every process of the sandbox, bwrap's init too, is in its cgroup
-                with open(f"/proc/{pid}/cgroup") as f:
-                    assert f.read().count(f"/l0_min-{os.getpid()}-{k.id}\n") == (2 if k._cgroup.version == 1 else 1)
-            before = usage()
-            r = await k.execute("for i in range(20_000):\n    open(f'/dev/shm/f{i}', 'w').close()")
-            assert r.ok and usage() - before > 10 << 20  # ~0.9 KiB of kernel memory per inode, charged here
-            hog = "hogs = []\nfor _ in range(64):  # 2 GiB in 32 MiB memfds (each under RLIMIT_FSIZE)\n"
-            hog += "    hogs.append(os.memfd_create('hog'))\n    os.write(hogs[-1], b'0' * (32 << 20))"
-            r = await k.execute(hog)
+            if memory_mode == "no cgroup":
+                r = await k.execute(UNCHARGED)
+                assert r.stdout.split() == ["EPERM", "shmget", "-1", "EPERM"] and k._cgroup is None, r.text()
+                r = await k.execute(FORKS, timeout=8)  # the watch looks every 0.25 s
+            else:
+                usage_file = f"{k._cgroup.dirs[0]}/memory.{'current' if k._cgroup.version == 2 else 'usage_in_bytes'}"
+                usage = lambda: int(Path(usage_file).read_text())  # noqa: E731
+                for pid in sandbox_pids(k):  # every process of the sandbox, bwrap's init too, is in its cgroup
+                    with open(f"/proc/{pid}/cgroup") as f:
+                        assert f.read().count(f"/l0_min-{os.getpid()}-{k.id}\n") == (2 if k._cgroup.version == 1 else 1)
+                before = usage()
+                r = await k.execute("for i in range(20_000):\n    open(f'/dev/shm/f{i}', 'w').close()")
+                assert r.ok and usage() - before > 10 << 20  # ~0.9 KiB of kernel memory per inode, charged here
+                hog = "hogs = []\nfor _ in range(64):  # 2 GiB in 32 MiB memfds (each under RLIMIT_FSIZE)\n"
+                hog += "    hogs.append(os.memfd_create('hog'))\n    os.write(hogs[-1], b'0' * (32 << 20))"
+                r = await k.execute(hog)
             assert r.dead and r.crashed and r.death == "killed: the sandbox reached its memory limit (384 MB)", r.text()
     finally:
         await k.shutdown()
@@ -755,9 +790,10 @@ class Kernels:
         await k.shutdown()
 
 
-async def test_6_killing_or_breaking_its_own_kernel_is_the_agents_failure_not_a_masked_env_error(tools):
+async def test_6_killing_or_breaking_its_own_kernel_is_the_agents_failure_not_a_masked_env_error(tools, memory_mode):
     """Before: os._exit, an interrupt-proof loop or a broken notepad read ended as env_error: masked after
-    retries, so the policy was never penalised: a reward hack waiting to be learned."""
+    retries, so the policy was never penalised: a reward hack waiting to be learned. Without a cgroup (issue 34)
+    memory past the sandbox's limit killed nothing: now the host's memory watch kills it, as the agent's doing."""
     cfg = episode_config(max_context_tokens=2000, max_observation_chars=300)
     cfg.rollout.max_retries = 1
     cfg.kernel = KernelConfig(exec_timeout=4, interrupt_grace=1.0, start_timeout=60)
@@ -765,18 +801,20 @@ async def test_6_killing_or_breaking_its_own_kernel_is_the_agents_failure_not_a_
         "os._exit": "import os\nos._exit(0)",
         "SIG_IGN loop": "import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nwhile True:\n    pass",
         "broken str": "import builtins\nbuiltins.str = None",
-        "shadowed str": "str = None",  # the notepad read fails: the episode goes on with a note saying so
+        "shadowed notepad": "notepad = None",  # the notepad read fails: the episode goes on with a note saying so
         "forged message": "k = get_ipython().kernel\n"
                           "k.session.send(k.iopub_socket, 'error', {'ename': 'E', 'traceback': 5}, k.get_parent())",
-        "own memory": "import os\nhogs = [os.memfd_create('x') for _ in range(64)]\nfor fd in hogs:\n    os.write(fd, b'0' * (32 << 20))",
+        # under RLIMIT_AS, over the sandbox's 256 MB, for longer than the memory watch's period (0.25 s)
+        "own memory": "import time\nhog = bytearray(b'1') * (300 << 20)\ntime.sleep(2)",
     }
-    if "cgroup" in sb.protections(SANDBOX)[1]:
-        del attacks["own memory"]
+    if memory_mode == "no cgroup":  # the others do not depend on it
+        attacks = {name: attacks[name] for name in ("os._exit", "own memory")}
     sandbox = SandboxConfig(workspace_mb=32, tmp_mb=16, max_procs=48, total_memory_mb=256)
     kernels = [Kernel(sandbox, cfg.kernel, tools) for _ in attacks]
     await asyncio.gather(*(k.start() for k in kernels))
     env = Services(cfg, None, Kernels(kernels), tools, TOK, {"qa": QA(cfg)})
-    async with host_health(tools, "6 os._exit, SIG_IGN loop, broken and shadowed str, forged message, own memory"):
+    async with host_health(tools, f"6 os._exit, SIG_IGN loop, broken str, shadowed notepad, forged message, own memory "
+                                  f"({memory_mode})"):
         eps = {}
         for name, code in attacks.items():  # one episode each; fill the context so the notepad is read
             env.policy = Script(code, *["print('z' * 290)"] * 7)
@@ -785,12 +823,12 @@ async def test_6_killing_or_breaking_its_own_kernel_is_the_agents_failure_not_a_
         assert ep.status != ENV_ERROR and not ep.masked, (name, ep.status, ep.error)
     assert env.counters["env_retries"] == 0
     assert eps["os._exit"].status == KERNEL_CRASHED and "it exited with status 0" in eps["os._exit"].error
-    assert eps["SIG_IGN loop"].status == KERNEL_CRASHED and "did not stop and was killed" in eps["SIG_IGN loop"].error
-    shadowed = eps["shadowed str"]
-    assert shadowed.truncations and "(the notepad is unavailable: TypeError" in TOK.decode(shadowed.steps[-1].context_ids)
-    assert eps["forged message"].status == KERNEL_CRASHED and "broke its connection" in eps["forged message"].error
-    if "own memory" in eps:
-        assert eps["own memory"].status == KERNEL_CRASHED and "its memory limit (256 MB)" in eps["own memory"].error
+    assert eps["own memory"].status == KERNEL_CRASHED and "its memory limit (256 MB)" in eps["own memory"].error
+    if memory_mode == "cgroup":
+        assert eps["SIG_IGN loop"].status == KERNEL_CRASHED and "did not stop and was killed" in eps["SIG_IGN loop"].error
+        shadowed = eps["shadowed notepad"]
+        assert shadowed.truncations and "(the notepad is unavailable: AttributeError" in TOK.decode(shadowed.steps[-1].context_ids)
+        assert eps["forged message"].status == KERNEL_CRASHED and "broke its connection" in eps["forged message"].error
     print({name: (ep.status, ep.error[:120]) for name, ep in eps.items()})
     # training sees them as failures: rows with weight (the format/exec reward is all they earned)
     rows = training_rows(list(eps.values()), cfg.algo)
@@ -990,9 +1028,10 @@ async def test_11_tool_work_and_tool_calls_cannot_hold_the_event_loop(tools):
 # --------------------------------------------------------------------------- 12. the OOM killer's choice
 
 
-async def test_12_sandboxes_are_the_oom_killers_first_choice_and_the_host_lives(tools, tmp_path):
+async def test_12_sandboxes_are_the_oom_killers_first_choice_and_the_host_lives(tools, memory_mode):
     """Before: in a 1,200 MB cgroup holding the host (500 MB) and two sandboxes writing 400 MB of memfds
-    each, the OOM killer took the host and left both sandboxes."""
+    each, the OOM killer took the host and left both sandboxes. Now with and without the sandboxes' cgroups
+    (then their memory is anonymous: memfds are refused)."""
     k = (await started(1, tools))[0]
     own = open("/proc/self/oom_score_adj").read()
     try:
@@ -1004,31 +1043,44 @@ async def test_12_sandboxes_are_the_oom_killers_first_choice_and_the_host_lives(
         assert open("/proc/self/oom_score_adj").read() == own  # the host keeps its own
     finally:
         await k.shutdown()
-    how = cgroup.detect()
+    report = await in_a_box(1200, "host", memory_mode)
+    assert report["adj"] == ["1000", "1000"] and report["share"] == int(report["available"] * cgroup.SHARE) < 900
+    deaths = [c["death"] for c in report["cells"] if c["dead"]]
+    # the OOM killer (or the memory watch) took a sandbox; without a cgroup the host sees only how it ended (by
+    # SIGKILL), and the OOM killer took the one resident the most, which is what it holds (memfds are refused)
+    assert deaths and all("killed" in d or d == "it exited with status 137 (signal 9)" for d in deaths), report
+
+
+REAL_DETECT = cgroup.detect  # memory_mode turns it off in this process; the box below stands for a machine
+
+
+async def in_a_box(mb: int, scenario: str, memory_mode: str) -> dict:
+    """tests/workers/oom_host.py run as the host of a machine of `mb` MB (a cgroup of that limit): its report. It
+    must live, and its event loop must not stall (the heartbeat's bound, measured there)."""
+    how = REAL_DETECT()
     if isinstance(how, str):
         pytest.skip(f"no cgroup to hold a host and its sandboxes: {how}")
     version, parents = how
     box = f"{parents[0]}/l0_min-oomtest-{os.getpid()}"
     os.mkdir(box)
     try:
-        for name, value in ({"memory.max": 1200 << 20, "memory.swap.max": 0} if version == 2 else {
-                "memory.limit_in_bytes": 1200 << 20, "memory.memsw.limit_in_bytes": 1200 << 20}).items():
+        for name, value in ({"memory.max": mb << 20, "memory.swap.max": 0} if version == 2 else {
+                "memory.limit_in_bytes": mb << 20, "memory.memsw.limit_in_bytes": mb << 20}).items():
             if os.path.exists(f"{box}/{name}"):
                 Path(f"{box}/{name}").write_text(str(value))
         worker = PROJECT / "tests" / "workers" / "oom_host.py"
         proc = await asyncio.create_subprocess_exec(
-            "/bin/sh", "-c", f'echo 0 >{box}/cgroup.procs && exec "$0" "$1"', sys.executable, str(worker),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+            "/bin/sh", "-c", f'echo 0 >{box}/cgroup.procs && exec "$0" "$@"', sys.executable, str(worker), scenario,
+            {"cgroup": "cgroup", "no cgroup": "none"}[memory_mode], stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
         out, err = await asyncio.wait_for(proc.communicate(), 240)
     finally:
         with contextlib.suppress(OSError):
             os.rmdir(box)
     assert proc.returncode == 0, err.decode()[-2000:]  # the host lived
     report = json.loads(out.decode().splitlines()[-1])
-    print("\nOOM", report)
-    assert report["adj"] == ["1000", "1000"] and report["shared"][2] == int(1200 * cgroup.SHARE)
-    deaths = [c["death"] for c in report["cells"] if c["dead"]]
-    assert deaths and all("killed" in d for d in deaths), report  # the OOM killer took a sandbox
+    print(f"\nOOM {scenario} ({memory_mode}):", report)
+    assert report["stall_ms"] < BOUNDS["stall_ms"], report
+    return report
 
 
 # --------------------------------------------------------------------------- 13. property: any str, any path
@@ -1211,3 +1263,21 @@ async def test_15_two_episodes_flooding_search_slow_only_themselves_and_mask_no_
     for a in attackers:  # their own searches waited in their own lines: not the environment's failure, not masked
         assert a.status == ANSWERED and not a.masked and a.steps[0].seconds >= seconds, (a.status, a.error)
     assert sum(env.counters["env_retries"] for env in envs) == 0
+
+
+
+# --------------------------------------------------------------------------- 16. the limit of all sandboxes
+
+
+async def test_16_at_the_limit_of_all_sandboxes_the_one_holding_the_most_dies_as_its_own_doing(memory_mode):
+    """Before: five sandboxes each holding 448 MB of memfds (under half of their own 1,024 MB) reached the limit
+    of all sandboxes (75% of total memory); the OOM killer, ranking by resident memory (memfds are in no
+    process's), took whom it took, and its victims were scored "killed from outside the sandbox" and masked.
+    Now the share is 75% of the memory available at start-up, and past 90% of it the host kills the sandbox
+    holding the most, as its own doing; the innocent one (50 MB, the most resident memory) answers."""
+    report = await in_a_box(2400, "share", memory_mode)
+    assert report["share"] == int(report["available"] * cgroup.SHARE) and report["available"] < 2400
+    *hogs, innocent = report["cells"]
+    assert not innocent["dead"] and innocent["result"] == "'innocent'", innocent
+    deaths = [c for c in hogs if c["dead"]]
+    assert deaths and all(c["crashed"] and "while it held the most" in c["death"] for c in deaths), report

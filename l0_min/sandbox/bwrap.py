@@ -174,7 +174,7 @@ def command(cfg: SandboxConfig, runtime_dir: str, inner: list[str], *, conn_file
     passwd = f"root:x:0:0:root:/nonexistent:/usr/sbin/nologin\nagent:x:{me}:{me}:agent:{WORKSPACE}:/bin/sh\n"
     data = {f"{TOOLBOX_PARENT}/l0_toolbox.zip": toolbox_zip(), "/etc/passwd": passwd,
             "/etc/group": f"root:x:0:\nagent:x:{me}:\n"}
-    bpf = seccomp_filter()
+    bpf = seccomp_filter(charged=bool(cgroup_procs) or not cfg.enabled)
     args = _namespaces(cfg, uid) + (["--seccomp", fd(_write(runtime_dir, "seccomp.bpf", bpf))] if bpf else [])
     args += _mounts(cfg, tools_socket)
     for dest, content in data.items():
@@ -280,16 +280,19 @@ DENIED = {  # name: (x86_64, aarch64); EPERM
     "process_vm_readv": (310, 270), "process_vm_writev": (311, 271), "perf_event_open": (298, 241),
     "userfaultfd": (323, 282),
 }  # fmt: skip
+UNCHARGED = {"memfd_create": (319, 279), "memfd_secret": (447, 447), "shmget": (29, 194)}  # without a cgroup
 CLONE = {"clone": (56, 220), "clone3": (435, 435)}
 CLONE_NEW_NAMESPACES = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 
 
-def seccomp_filter(machine: str | None = None) -> bytes | None:
+def seccomp_filter(machine: str | None = None, charged: bool = True) -> bytes | None:
     """The seccomp program bwrap loads (--seccomp FD), or None on an architecture without a table.
 
     EPERM for the DENIED syscalls, for clone() with a namespace flag and for foreign-ABI calls
-    (i386, x32); ENOSYS for clone3, whose flags a filter cannot read, so that glibc falls back to
-    clone(). Everything else is allowed: threads, fork, exec, signals within the sandbox.
+    (i386, x32), and, where no cgroup charges the sandbox's memory (not `charged`), for the UNCHARGED
+    ones, whose memory no process's PSS shows (cgroup.watch); ENOSYS for clone3, whose flags a filter
+    cannot read, so that glibc falls back to clone(). Everything else is allowed: threads, fork, exec,
+    signals within the sandbox.
     """
     arch = machine or platform.machine()
     if arch not in AUDIT_ARCH:
@@ -307,7 +310,7 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
         (jset, "deny", "allow", CLONE_NEW_NAMESPACES),
     ]
     labels = {"table": len(prog)}
-    prog += [(jeq, "deny", 0, nums[col]) for nums in DENIED.values()]
+    prog += [(jeq, "deny", 0, nums[col]) for nums in (DENIED | ({} if charged else UNCHARGED)).values()]
     for name, k in [("allow", 0x7FFF0000), ("deny", 0x00050000 | 1), ("enosys", 0x00050000 | 38)]:
         labels[name] = len(prog)
         prog.append((ret, 0, 0, k))
@@ -336,11 +339,14 @@ def protections(cfg: SandboxConfig) -> tuple[list[str], dict[str, str]]:
     on.append("oom_score_adj 1000 (the OOM killer takes a sandbox before the host)")
     how = cgroup.detect()
     how = how if isinstance(how, str) else cgroup.shared()
+    share = f"{int(cgroup.available_mb() * cgroup.SHARE):,} MB, {cgroup.SHARE:.0%} of the {cgroup.available_mb():,} MB"
     if isinstance(how, str):
         missing["cgroup"] = how
+        on.append(f"memory watch: each sandbox's PSS ({cfg.total_memory_mb:,} MB), memfds and SysV shm refused")
     else:
-        on.append(f"cgroup v{how[0]} memory ({cfg.total_memory_mb:,} MB) + pids ({cfg.max_procs + 2}); all sandboxes "
-                  f"together {how[2]:,} MB ({cgroup.SHARE:.0%} of the {cgroup.machine_mb():,} MB this process may use)")
+        on.append(f"cgroup v{how[0]} memory ({cfg.total_memory_mb:,} MB) + pids ({cfg.max_procs + 2})")
+    on.append(f"all sandboxes together {share} available at start-up (past {cgroup.HIGH:.0%} the host kills the one "
+              "holding the most)")
     return on, missing
 
 

@@ -1,14 +1,22 @@
-"""One cgroup per sandbox: a memory (+swap) and task budget for everything the sandbox does.
+"""Memory budgets: one cgroup per sandbox (memory + swap, tasks) where the host can make one, and the
+memory watch of all sandboxes, with or without.
 
 RLIMIT_AS and RLIMIT_NPROC count per process or per uid; memfds, tmpfs files and kernel objects
 (an inode flood) escape them, a cgroup counts them all. Each sandbox's cgroup is a child of the
-one of all this process's sandboxes (`shared`: SHARE of the memory this process may use, so 64
-sandboxes of 4 GB on a 24 GB machine meet that limit, and the OOM killer takes a sandbox, before
-the machine runs out), a child of this process's own: cgroup v2 where memory and pids are enabled
-for this process's children, else the v1 `memory` and `pids` hierarchies where they are writable
-(root), else none (`detect` says why, the first kernel start logs it). The sandbox's launcher
-shell writes itself into cgroup.procs before it execs bwrap (bwrap.command): moving bwrap after
-the spawn would race with its first fork, and children stay where they were born.
+one of all this process's sandboxes (`shared`), a child of this process's own: cgroup v2 where
+memory and pids are enabled for this process's children, else the v1 `memory` and `pids`
+hierarchies where they are writable (root), else none (`detect` says why, the first kernel start
+logs it). The sandbox's launcher shell writes itself into cgroup.procs before it execs bwrap
+(bwrap.command): children stay where they were born.
+
+All sandboxes together get SHARE of the memory available at start-up (`available_mb`). The OOM
+killer ranks processes by resident memory, which memfds and tmpfs files are not, so at that limit
+it would take a small sandbox for a big one: the host chooses instead. `watch` reads every PERIOD s
+what each sandbox holds (its cgroup's anonymous and shared memory, or the PSS of its processes,
+shared memory included) and kills, as its own doing, the one that holds the most once all together
+pass HIGH of the share (v1: the kernel's OOM killer is off at the shared limit, allocations there
+wait or fail; v2: past memory.high they are throttled), and, where no cgroup charges a sandbox,
+one past its own limit (its memfds and SysV shm are refused then: bwrap.seccomp_filter).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import os
 import re
 
 log = logging.getLogger(__name__)
-SHARE = 0.75  # of the memory this process may use, for all its sandboxes together
+SHARE, HIGH, PERIOD = 0.75, 0.9, 0.25  # of the memory available at start-up for all sandboxes; see the docstring
 
 
 def _read(path: str) -> str:
@@ -41,13 +49,19 @@ def _rmdir(d: str) -> None:
         os.rmdir(d)
 
 
-@functools.cache
-def detect() -> tuple[int, list[str]] | str:
-    """(version, the parent folders of the sandboxes' cgroups), or why there are none."""
-    own = {}  # controller ("" for v2) -> this process's cgroup
+def _own() -> dict[str, str]:
+    """This process's cgroup by controller ("" for v2)."""
+    own = {}
     for line in _read("/proc/self/cgroup").splitlines():
         _, names, path = line.split(":", 2)
         own.update((name, path.rstrip("/")) for name in (names.split(",") if names else [""]))
+    return own
+
+
+@functools.cache
+def detect() -> tuple[int, list[str]] | str:
+    """(version, the parent folders of the sandboxes' cgroups), or why there are none."""
+    own = _own()
     for mount in ("/sys/fs/cgroup", "/sys/fs/cgroup/unified"):
         try:
             if {"memory", "pids"} <= set(_read(f"{mount}{own.get('', '/')}/cgroup.subtree_control").split()):
@@ -61,13 +75,16 @@ def detect() -> tuple[int, list[str]] | str:
             "nor writable cgroup v1 memory and pids hierarchies (run as root, or delegate a v2 subtree)")
 
 
-def machine_mb() -> int:
-    """The memory this process may use, in MB: the machine's, or its own memory cgroup's limit if lower."""
-    total = int(_read("/proc/meminfo").split()[1]) >> 10  # MemTotal, kB
-    if not isinstance(how := detect(), str):
-        with contextlib.suppress(OSError, ValueError):  # v2 "max": no limit
-            total = min(total, int(_read(f"{how[1][0]}/memory.{'max' if how[0] == 2 else 'limit_in_bytes'}")) >> 20)
-    return total
+@functools.cache
+def available_mb() -> int:
+    """The memory available to this process at the first call (start-up), in MB: MemAvailable, or what its memory
+    cgroup's limit leaves (a container's, delegated or not) if less."""
+    mb, own = int(re.search(r"MemAvailable:\s+(\d+)", _read("/proc/meminfo"))[1]) >> 10, _own()
+    for d, limit, used in ((f"/sys/fs/cgroup/memory{own.get('memory')}", "limit_in_bytes", "usage_in_bytes"),
+                           (f"/sys/fs/cgroup{own.get('')}", "max", "current")):
+        with contextlib.suppress(OSError, ValueError):  # no such hierarchy; v2 "max": no limit
+            mb = min(mb, (int(_read(f"{d}/memory.{limit}")) - int(_read(f"{d}/memory.{used}"))) >> 20)
+    return mb
 
 
 @functools.cache
@@ -76,7 +93,7 @@ def shared() -> tuple[int, list[str], int] | str:
     made at the first call and removed at exit; or why there is none. Removes the ones of dead processes."""
     if isinstance(how := detect(), str):
         return how
-    (version, parents), limit = how, int(machine_mb() * SHARE)
+    (version, parents), limit = how, int(available_mb() * SHARE)
     for stale in [p for parent in parents for p in glob.glob(f"{parent}/l0_min-*")]:
         if (m := re.fullmatch(r"l0_min-(\d+)(-k\w+)?", os.path.basename(stale))) and not os.path.exists(f"/proc/{m[1]}"):
             [_rmdir(d) for d in [*glob.glob(f"{stale}/*/"), stale]]
@@ -87,25 +104,30 @@ def shared() -> tuple[int, list[str], int] | str:
         if version == 2:
             _write(f"{dirs[0]}/cgroup.subtree_control", "+memory +pids")
             _write(f"{dirs[0]}/memory.max", limit << 20)
+            _write(f"{dirs[0]}/memory.high", int(HIGH * limit) << 20)
         else:
             _write(f"{dirs[0]}/memory.limit_in_bytes", limit << 20)
+            _write(f"{dirs[0]}/memory.oom_control", 1)
     except OSError as e:
         return f"no cgroup for all sandboxes: {e}"
     atexit.register(lambda: [_rmdir(d) for d in dirs])
     return version, dirs, limit
 
 
-def _struck(d: str, version: int, limit: int) -> tuple[int, bool, int]:
-    """(OOM kills in cgroup `d`, whether memory reached its own limit of `limit` bytes there, its peak
-    memory in bytes: 0 where the kernel does not keep it)."""
-    if version == 2:  # memory.events.local: this cgroup's own events (Linux 5.2+); memory.peak: 5.19+
+def _peak(d: str, version: int) -> int:
+    """The peak memory of cgroup `d` in bytes (0 where the kernel does not keep it: v2 before Linux 5.19)."""
+    name = f"{d}/memory.{'peak' if version == 2 else 'max_usage_in_bytes'}"
+    return int(_read(name)) if os.path.exists(name) else 0
+
+
+def _struck(d: str, version: int, limit: int) -> tuple[int, bool]:
+    """(OOM kills in cgroup `d`, whether memory reached its own limit of `limit` bytes there)."""
+    if version == 2:  # memory.events.local: this cgroup's own events (Linux 5.2+)
         local = ".local" * os.path.exists(f"{d}/memory.events.local")
         events = dict(line.split() for line in _read(f"{d}/memory.events{local}").splitlines())
-        peak = int(_read(f"{d}/memory.peak")) if os.path.exists(f"{d}/memory.peak") else 0
-        return int(events["oom_kill"]), int(events["oom"]) > 0, peak
+        return int(events["oom_kill"]), int(events["oom"]) > 0
     control = dict(line.split() for line in _read(f"{d}/memory.oom_control").splitlines())
-    peak = int(_read(f"{d}/memory.max_usage_in_bytes"))
-    return int(control.get("oom_kill", 0)), peak >= limit, peak
+    return int(control.get("oom_kill", 0)), _peak(d, 1) >= limit
 
 
 class Cgroup:
@@ -115,7 +137,8 @@ class Cgroup:
         self.version, parents, self.shared_mb = shared()
         self.dirs, self.limit = [f"{p}/{name}" for p in parents], memory_mb << 20
         limits = {"memory.max": self.limit, "memory.swap.max": 0, "pids.max": tasks} if self.version == 2 else {
-            "memory.limit_in_bytes": self.limit, "memory.memsw.limit_in_bytes": self.limit, "pids.max": tasks}
+            "memory.limit_in_bytes": self.limit, "memory.memsw.limit_in_bytes": self.limit, "pids.max": tasks,
+            "memory.oom_control": 0}  # the OOM killer on at its own limit (a child inherits its parent's off)
         for d in self.dirs:
             os.mkdir(d)
         for name, value in limits.items():  # memory before memsw (memory + swap may not be below it)
@@ -126,16 +149,20 @@ class Cgroup:
 
     def oom(self) -> str:
         """'limit' if the OOM killer struck at the sandbox's own limit; 'all' at the limit of all sandboxes,
-        this one having held over half of its own (the OOM killer ranks by mapped memory, not memfds or
-        tmpfs files: a small sandbox may die for a big one); 'host' otherwise; '' if it did not strike."""
-        d = self.dirs[0]  # v1: the memory hierarchy
+        this one having held the most (its peak that of no other below); 'host' otherwise; '' if it did not."""
+        d, parent = self.dirs[0], os.path.dirname(self.dirs[0])  # v1: the memory hierarchy
         try:
-            kills, at_limit, peak = _struck(d, self.version, self.limit)
-            big = kills and not at_limit and 2 * peak > self.limit
-            all_at_limit = big and _struck(os.path.dirname(d), self.version, self.shared_mb << 20)[1]
+            (kills, at_limit), others = _struck(d, self.version, self.limit), glob.glob(f"{parent}/l0_min-*/")
+            most = kills and not at_limit and _peak(d, self.version) >= max(_peak(o, self.version) for o in others)
+            all_at_limit = most and _struck(parent, self.version, self.shared_mb << 20)[1]
         except (OSError, KeyError, ValueError):
             return ""
         return "" if not kills else "limit" if at_limit else "all" if all_at_limit else "host"
+
+    def held(self) -> int:
+        """Bytes the sandbox holds that the kernel cannot reclaim: anonymous and shared memory (memfds, tmpfs)."""
+        stat = dict(line.split() for line in _read(f"{self.dirs[0]}/memory.stat").splitlines())
+        return int(stat["anon" if self.version == 2 else "rss"]) + int(stat["shmem"])
 
     async def remove(self) -> None:
         for _ in range(100):  # its last processes may still be on their way out
@@ -151,3 +178,62 @@ class Cgroup:
                 return
             await asyncio.sleep(0.01)
         log.warning("cgroups %s still hold processes after 1 s; left in place", self.dirs)
+
+
+def pss(pid: int) -> int:
+    """Bytes the processes of the tree under `pid` hold: their PSS (a shared page split among its users, shared
+    memory included), 0 for processes that are gone."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile
+            todo += [int(c) for t in os.listdir(f"/proc/{p}/task") for c in _read(f"/proc/{p}/task/{t}/children").split()]
+            total += int(_read(f"/proc/{p}/smaps_rollup").split("\nPss:")[1].split()[0]) << 10
+    return total
+
+
+_watched: dict = {}  # a sandbox's key -> (read: what it holds in bytes, its own limit (0: its cgroup's), kill: async)
+_watching: asyncio.Task | None = None
+
+
+def watch(key, read, limit: int, kill) -> None:
+    """Watch a sandbox's memory (see the module docstring) until `unwatch(key)`, or until the watch calls
+    `await kill(why)`; `read()` runs off the event loop."""
+    global _watching
+    _watched[key] = read, limit, kill
+    if _watching is None or _watching.done() or _watching.get_loop() is not asyncio.get_running_loop():
+        _watching = asyncio.ensure_future(_watch())
+
+
+def unwatch(key) -> None:
+    _watched.pop(key, None)
+
+
+def _held(read) -> int:
+    try:
+        return read()
+    except (OSError, KeyError, ValueError):  # its cgroup is removed: the sandbox is gone
+        return 0
+
+
+def _kill(key, why: str) -> None:
+    if (entry := _watched.pop(key, None)) is not None:
+        asyncio.ensure_future(entry[2](why))
+
+
+async def _watch() -> None:
+    how = shared()
+    share = int(available_mb() * SHARE) if isinstance(how, str) else how[2]
+    stuck = None if isinstance(how, str) or how[0] == 2 else f"{how[1][0]}/memory.oom_control"  # v1: under_oom
+    while _watched:
+        items = list(_watched.items())
+        held, full = await asyncio.to_thread(lambda: ([_held(read) for _, (read, _, _) in items],
+                                                      stuck is not None and "under_oom 1" in _read(stuck)))
+        for (key, (_, limit, _)), n in zip(items, held):
+            if limit and n > limit:
+                _kill(key, f"the sandbox reached its memory limit ({limit >> 20:,} MB)")
+        if items and (sum(held) > HIGH * (share << 20) or full):
+            n, key = max(zip(held, (key for key, _ in items)), key=lambda pair: pair[0])
+            _kill(key, f"all sandboxes together reached {HIGH:.0%} of their memory limit ({share:,} MB) while it held "
+                       f"the most ({n >> 20:,} MB)")  # fmt: skip
+        await asyncio.sleep(PERIOD)

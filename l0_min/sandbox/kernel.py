@@ -268,6 +268,9 @@ class Kernel:
         km = self._km = _Manager(context=zmq_context(), transport="ipc", ip=ip, connection_file=conn, autorestart=False)
         km.spec, km.on_launched = spec, lambda: self._launched(ip)
         await km.start_kernel(env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        if self.sandbox.enabled:  # the host's memory watch; a cgroup enforces its own limit where there is one
+            c, read = self._cgroup, functools.partial(cgroup.pss, self.sandbox_pid)
+            cgroup.watch(self, c.held if c else read, 0 if c else self.sandbox.total_memory_mb << 20, self._kill_for)
         km._close_control_socket()  # nobody would read it: an interrupt opens one, then closes it (`_run`)
         self._kc = km.client(context=zmq_context())  # not a context (and io thread) of its own
         self._kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
@@ -498,9 +501,9 @@ class Kernel:
         code = self._exited.result() if self._exited is not None and self._exited.done() else None
         oom = self._cgroup.oom() if self._cgroup is not None else ""
         if self._killed_for or oom in ("limit", "all"):
-            why = self._killed_for or (f"the sandbox reached its memory limit ({self.sandbox.total_memory_mb} MB)"
+            why = self._killed_for or (f"the sandbox reached its memory limit ({self.sandbox.total_memory_mb:,} MB)"
                                        if oom == "limit" else f"all sandboxes together reached their memory limit "
-                                       f"({self._cgroup.shared_mb:,} MB) while it held over half of its own")  # fmt: skip
+                                       f"({self._cgroup.shared_mb:,} MB) while it held the most")  # fmt: skip
             return f"killed: {why}", True
         if oom or (code is not None and code < 0):
             how = "by the host's OOM killer" if oom else f"(signal {-code})"
@@ -594,6 +597,7 @@ class Kernel:
         for fd in self._sockets:
             os.close(fd)
         self._sockets = []
+        cgroup.unwatch(self)
         if self._cgroup is not None:
             await self._cgroup.remove()
         if self.tool_server is not None:

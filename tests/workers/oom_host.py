@@ -1,12 +1,21 @@
-"""Run by tests/test_adversarial.py (issue 23, weakness 5) inside a cgroup of 1,200 MB: a host that holds
-500 MB itself starts two sandboxes (1,024 MB each), and each writes 400 MB of memfds at once (memfd
-pages are in no process's RSS, so without oom_score_adj the OOM killer took the host). Prints one JSON
-line: each cell's end and the cgroup of all sandboxes; that it prints at all says the host lived.
+"""Run by tests/test_adversarial.py in a cgroup that stands for the machine (the test sets its limit), as
+
+    python oom_host.py SCENARIO MODE     MODE: cgroup (the sandboxes' own cgroups) or none (detection forced off)
+
+    host   (issue 23, test 12) two sandboxes of 1,024 MB start, the host then holds 500 MB of its 1,200 MB, and
+           each sandbox writes 400 MB at once: the OOM killer (or the memory watch) must take a sandbox, not the host
+    share  (issue 34, test 16) five sandboxes each write 448 MB (under half of their own 1,024 MB) and an innocent
+           one holds 50 MB: together they pass their share of 2,400 MB: the host kills those holding the most
+
+A sandbox's memory is memfds where it has a cgroup (in no process's RSS), anonymous memory where it has none
+(memfds are refused then). Prints one JSON line: each cell's end, the share; that it prints at all says the host
+lived.
 """
 
 import asyncio
 import json
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -14,20 +23,41 @@ from l0_min.config import KernelConfig, SandboxConfig  # noqa: E402
 from l0_min.sandbox import cgroup  # noqa: E402
 from l0_min.sandbox.kernel import Kernel  # noqa: E402
 
-HOG = "import os\nfds = [os.memfd_create('x') for _ in range(25)]\nfor fd in fds:\n    os.write(fd, b'0' * (16 << 20))\n'held'"
+MEMFD = "import os\nhold = []\ndef chunk():  # one memfd a chunk: each under RLIMIT_FSIZE\n    hold.append(os.memfd_create('x'))\n    os.write(hold[-1], b'0' * (16 << 20))\n"
+ANON = "hold = []\ndef chunk():\n    hold.append(bytearray(b'0') * (16 << 20))\n"
+HOG = "import time\nfor _ in range({n}):\n    chunk()\n    time.sleep({pause})\n'held'"  # 16 MB at a time
+INNOCENT = "import time\nx = bytearray(b'1') * (50 << 20)\ntime.sleep(3)\n'innocent'"
 
 
-async def main() -> None:
-    held = bytearray(500 << 20)
-    held[::4096] = b"\1" * len(held[::4096])  # touch every page: 500 MB resident
+async def heartbeat(stall: list) -> None:
+    """tests/test_adversarial.py's Heartbeat: a 10 ms tick's lateness, at most the loop thread's CPU time meanwhile."""
+    while True:
+        t, cpu = time.monotonic(), time.thread_time()
+        await asyncio.sleep(0.01)
+        stall[0] = max(stall[0], min(time.monotonic() - t - 0.01, time.thread_time() - cpu))
+
+
+async def main(scenario: str, mode: str) -> None:
+    if mode == "none":
+        cgroup.detect = lambda: "no cgroup for sandboxes: turned off by the test"
+    hogs, n, pause = (2, 25, 0.0) if scenario == "host" else (5, 28, 0.05)
     kernels = [Kernel(SandboxConfig(total_memory_mb=1024), KernelConfig(exec_timeout=60, start_timeout=120))
-               for _ in range(2)]  # fmt: skip
+               for _ in range(hogs + (scenario == "share"))]  # fmt: skip
     await asyncio.gather(*(k.start() for k in kernels))
     adj = [open(f"/proc/{k.sandbox_pid}/oom_score_adj").read().strip() for k in kernels]
-    cells = await asyncio.gather(*(k.execute(HOG) for k in kernels))
+    held = bytearray(500 << 20) if scenario == "host" else bytearray()
+    held[::4096] = b"\1" * len(held[::4096])  # touch every page: 500 MB resident
+    stall = [0.0]  # from here on: the host's own work above is no stall
+    beat = asyncio.ensure_future(heartbeat(stall))
+    hog = (MEMFD if mode == "cgroup" else ANON) + HOG.format(n=n, pause=pause)
+    cells = await asyncio.gather(*(k.execute(hog if i < hogs else INNOCENT) for i, k in enumerate(kernels)))
     await asyncio.gather(*(k.shutdown() for k in kernels))
-    print(json.dumps({"cells": [{"result": r.result, "dead": r.dead, "death": r.death, "crashed": r.crashed} for r in cells],
-                      "adj": adj, "shared": cgroup.shared(), "host_mb": len(held) >> 20}))  # fmt: skip
+    beat.cancel()
+    print(json.dumps({"cells": [{"result": r.result, "error": r.error_value, "dead": r.dead, "death": r.death,
+                                 "crashed": r.crashed} for r in cells],
+                      "adj": adj, "share": int(cgroup.available_mb() * cgroup.SHARE), "available": cgroup.available_mb(),
+                      "shared": cgroup.shared(), "host_mb": len(held) >> 20,
+                      "stall_ms": 1000 * stall[0]}))  # fmt: skip
 
 
-asyncio.run(main())
+asyncio.run(main(*sys.argv[1:3]))
