@@ -175,9 +175,8 @@ async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0) ->
 
 
 def _score(ep: Episode, cfg, env: TaskEnv) -> None:
-    """score_episode, where nothing the environment's score() raises ends the run. If it raised on the agent's
-    answer (it scores the episode without one), the episode is scored as unanswered: the agent's failure;
-    if it raises without one too, the environment is at fault: the episode is masked (env_error)."""
+    """score_episode, where what the environment's score() raises ends no run: raised on the agent's answer (not on
+    none), the episode is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error)."""
     try:
         return score_episode(ep, cfg, env)
     except Exception as e:
@@ -188,8 +187,7 @@ def _score(ep: Episode, cfg, env: TaskEnv) -> None:
     except Exception:
         ep.status, ep.masked, ep.error = ENV_ERROR, True, ep.error.replace(" on the answer", "")
         score_episode(ep, cfg, SimpleNamespace(name="", score=lambda ep: {"core": 0.0}))
-    finally:
-        ep.final_answer = answer
+    ep.final_answer = answer
     log.warning("episode of task %s: %s", ep.task.id, ep.error)
 
 

@@ -63,12 +63,8 @@ def tokenize(text: str) -> list[str]:
 
 
 class BM25Backend:
-    """BM25 over title + text of a list of documents {id, title, text}.
-
-    Indexing 100k passages takes seconds and a query milliseconds, but a long query is slower (0.9 s
-    for 840 KB on the demo world: the tool server caps queries) and many episodes search at once, so
-    searches run in one thread of their own, in turn, off the event loop.
-    """
+    """BM25 over title + text of a list of documents {id, title, text}. Searches run in one thread of their own, in
+    turn, off the event loop: many episodes search at once, and a long query takes long (the tool server caps them)."""
 
     def __init__(self, docs: list[dict], k1: float = 1.5, b: float = 0.75):
         import bm25s
@@ -101,11 +97,11 @@ class BM25Backend:
                 for i, s in zip(idx[0].tolist(), scores[0].tolist()) if s > 0]  # 0: no query word in the document
 
     async def search(self, query: str, k: int) -> list[dict]:
-        """search_sync in the search thread. Cancelled, a search still queued leaves the queue; one that has
-        started holds the thread until it ends, and so does its caller (the tool server's turn of an episode)."""
+        """Cancelled, a search still queued leaves the queue; one that has started holds the thread until it ends, and
+        so does its caller (the tool server's turn of an episode): cancelling the wrapper cancels a job not started."""
         job = self._thread.submit(self.search_sync, query, k)
         try:
-            return await asyncio.wrap_future(job)  # cancelling it cancels the job, unless the job has started
+            return await asyncio.wrap_future(job)
         finally:
             if job.running():
                 await asyncio.wait([asyncio.wrap_future(job)])

@@ -896,7 +896,7 @@ async def started(n: int, tools, sandbox: SandboxConfig = SANDBOX, kcfg: KernelC
 async def test_8_a_lone_surrogate_answer_is_scored_and_every_run_folder_writer_keeps_it(tools, tmp_path):
     """Before: submit_final_answer(chr(0xD800)) was accepted, then train.py's trajectory write raised
     UnicodeEncodeError and ended the run."""
-    from l0_min.evaluation import ResultsFile, record_from_episode
+    from l0_min.evaluation import ResultsFile, record
     from l0_min.log import RunDir, read_episodes, read_jsonl
     from l0_min.viewer import write_viewer
 
@@ -908,7 +908,7 @@ async def test_8_a_lone_surrogate_answer_is_scored_and_every_run_folder_writer_k
     run.write_trajectories(1, [ep])  # train.py's writer (rollout.py and evaluate.py use the same write_jsonl)
     assert read_episodes(run.trajectory_path(1))[0].final_answer == "\ud800"  # the agent's str, read back as sent
     with ResultsFile(tmp_path / "eval" / "results.jsonl") as results:  # evaluate.py's results file
-        results.append(record_from_episode(ep))
+        results.append(record(ep))
     assert read_jsonl(tmp_path / "eval" / "results.jsonl")[0]["prediction"] == "\ud800"
     assert "\ufffd" not in write_viewer(run.path, run.viewer_html).read_text()  # written with '?' for it
 
@@ -1120,7 +1120,7 @@ async def test_13_property_any_string_on_any_path_reaches_the_tokenizer_and_the_
     disk (trajectories, results, viewer): no exception escapes, the kernel lives, and an episode made of
     them is scored, not masked."""
     from l0_min.context import ContextWatcher, chat_format, valid_text
-    from l0_min.evaluation import ResultsFile, make_record, summarize
+    from l0_min.evaluation import ResultsFile, record, summarize
     from l0_min.log import RunDir, read_episodes
     from l0_min.viewer import write_viewer
 
@@ -1150,8 +1150,8 @@ async def test_13_property_any_string_on_any_path_reaches_the_tokenizer_and_the_
     write_viewer(run.path, run.viewer_html)
     with ResultsFile(tmp_path / "eval" / "results.jsonl") as results:
         for e in episodes:
-            results.append(make_record(e.task, 0, e.final_answer, e.status))
-    assert summarize(list(results.by_key.values()))["questions"] == n
+            results.append(record(e))
+    assert summarize(list(results.by_key.values()), ["reward"])["n"] == n
     await k.shutdown()
     # the same strings in one episode through the collector: scored, with the notepad rebuilt around them
     cfg = episode_config(max_context_tokens=2000, max_observation_chars=300, max_steps=12)

@@ -7,12 +7,11 @@ A sandboxed kernel is started as
         -- prlimit <limits> -- [setpriv <uid>, no capabilities] -- python -m l0_toolbox.boot -f /run/l0/conn.json
     args (NUL-separated): <namespaces> <seccomp> <mounts> <environment>
 
-The shell makes itself, and so every process of the sandbox, the OOM killer's first choice (the
-sandbox cannot lower it: that needs CAP_SYS_RESOURCE outside its namespaces; the host keeps its own)
-and joins the sandbox's cgroups (cgroup.py) before bwrap exists. bwrap reads its options,
-the seccomp filter and the generated files (passwd, group, conn.json, the toolbox as a zip) from
-fds, so /proc/1/cmdline and /proc/self/mountinfo inside show no folder of the project or the kernel
-(only the venv's, the interpreter's and the tool server's, which are mounted from there).
+The shell makes itself, and so every process of the sandbox, the OOM killer's first choice (the sandbox cannot lower
+it: that needs CAP_SYS_RESOURCE outside its namespaces; the host keeps its own) and joins the sandbox's cgroups
+(cgroup.py) before bwrap exists. bwrap reads its options, the seccomp filter and the generated files (passwd, group,
+conn.json, the toolbox as a zip) from fds, so /proc/1/cmdline and /proc/self/mountinfo inside show no folder of the
+project or the kernel (only the venv's, the interpreter's and the tool server's, which are mounted from there).
 
 It sees only this file system:
 
@@ -30,24 +29,21 @@ Everything else (home folders, the project, data, ground truth, other kernels) d
 inside, and the root is read-only: the only writable places are the size-limited tmpfs mounts,
 which vanish with the sandbox (the host reaches the kernel's sockets from outside: kernel.py).
 
-Namespaces: all (user, ipc, pid, net, uts, cgroup; no user namespace on a root host, see below);
-the network is off unless `network=True`. Limits (prlimit): address space, file size, open files
-and CPU seconds per process, processes per sandbox, no core files; per sandbox (cgroup): memory +
-swap (`total_memory_mb`) and tasks. seccomp refuses new namespaces, mounts, bpf, keyrings,
-io_uring, ptrace. The environment is cleared; `env_whitelist` names the host variables passed
-through. `protections` says which of these the host provides (the first kernel start logs it).
+Namespaces: all (user, ipc, pid, net, uts, cgroup; no user namespace on a root host, see below); the network is off
+unless `network=True`. Limits (prlimit): address space, file size, open files and CPU seconds per process, processes
+per sandbox, no core files; per sandbox (cgroup): memory + swap (`total_memory_mb`) and tasks. seccomp refuses new
+namespaces, mounts, bpf, keyrings, io_uring, ptrace. The environment is cleared; `env_whitelist` names the host
+variables passed through. `protections` says which of these the host provides (the first kernel start logs it).
 
-Root hosts. Root ignores RLIMIT_NPROC, so a fork bomb in a root-owned sandbox is unlimited. On a
-root host each sandbox therefore runs as its own unprivileged host uid (`UidLease`): bwrap runs
-in its privileged mode (every namespace but the user one) and `setpriv` drops to that uid and
-clears every capability set (bounding and inheritable too), so the kernel holds no capability and
-no host identity, and its process limit counts only its own processes. On a normal user's host
-bwrap makes a user namespace (--disable-userns: no nested ones) and no uid switch is needed.
+Root hosts. Root ignores RLIMIT_NPROC, so a fork bomb in a root-owned sandbox is unlimited. On a root host each
+sandbox therefore runs as its own unprivileged host uid (`UidLease`): bwrap runs in its privileged mode (every
+namespace but the user one) and `setpriv` drops to that uid and clears every capability set (bounding and inheritable
+too), so the kernel holds no capability and no host identity, and its process limit counts only its own processes. On
+a normal user's host bwrap makes a user namespace (--disable-userns: no nested ones) and no uid switch is needed.
 
-Why not --as-pid-1: bwrap's own init stays pid 1. It reaps orphans (zombies count against the
-process limit), and when bwrap dies (host crash, kill) the init dies and the kernel tears down
-every process of the namespace. With --as-pid-1 and a uid switch the kernel outlives a killed
-bwrap (measured with bwrap 0.8: the parent-death signal is not delivered across uids).
+Why not --as-pid-1: bwrap's own init stays pid 1. It reaps orphans (zombies count against the process limit), and
+when bwrap dies (host crash, kill) the init dies and the kernel tears down every process of the namespace; with
+--as-pid-1 and a uid switch the kernel outlives a killed bwrap (the parent-death signal is not delivered across uids).
 """
 
 from __future__ import annotations
@@ -288,11 +284,10 @@ CLONE_NEW_NAMESPACES = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC |
 def seccomp_filter(machine: str | None = None, charged: bool = True) -> bytes | None:
     """The seccomp program bwrap loads (--seccomp FD), or None on an architecture without a table.
 
-    EPERM for the DENIED syscalls, for clone() with a namespace flag and for foreign-ABI calls
-    (i386, x32), and, where no cgroup charges the sandbox's memory (not `charged`), for the UNCHARGED
-    ones, whose memory no process's PSS shows (cgroup.watch); ENOSYS for clone3, whose flags a filter
-    cannot read, so that glibc falls back to clone(). Everything else is allowed: threads, fork, exec,
-    signals within the sandbox.
+    EPERM for the DENIED syscalls, for clone() with a namespace flag and for foreign-ABI calls (i386, x32), and, where
+    no cgroup charges the sandbox's memory (not `charged`), for the UNCHARGED ones, whose memory no process's PSS
+    shows (cgroup.watch); ENOSYS for clone3, whose flags a filter cannot read, so that glibc falls back to clone().
+    Everything else is allowed: threads, fork, exec, signals within the sandbox.
     """
     arch = machine or platform.machine()
     if arch not in AUDIT_ARCH:

@@ -1,22 +1,17 @@
-"""Memory budgets: one cgroup per sandbox (memory + swap, tasks) where the host can make one, and the
-memory watch of all sandboxes, with or without.
+"""Memory budgets: one cgroup per sandbox (memory + swap, tasks) where the host can make one, and a watch over all.
 
-RLIMIT_AS and RLIMIT_NPROC count per process or per uid; memfds, tmpfs files and kernel objects
-(an inode flood) escape them, a cgroup counts them all. Each sandbox's cgroup is a child of the
-one of all this process's sandboxes (`shared`), a child of this process's own: cgroup v2 where
-memory and pids are enabled for this process's children, else the v1 `memory` and `pids`
-hierarchies where they are writable (root), else none (`detect` says why, the first kernel start
-logs it). The sandbox's launcher shell writes itself into cgroup.procs before it execs bwrap
-(bwrap.command): children stay where they were born.
+RLIMIT_AS and RLIMIT_NPROC count per process or per uid; memfds, tmpfs files and kernel objects (an inode flood) escape
+them, a cgroup counts them all. Each sandbox's cgroup is a child of the one of all this process's sandboxes (`shared`),
+a child of this process's own: cgroup v2 where memory and pids are enabled for this process's children, else the v1
+`memory` and `pids` hierarchies where they are writable (root), else none (`detect` says why, the first kernel start
+logs it). The sandbox's launcher shell joins them before it execs bwrap (bwrap.command): children stay where born.
 
-All sandboxes together get SHARE of the memory available at start-up (`available_mb`). The OOM
-killer ranks processes by resident memory, which memfds and tmpfs files are not, so at that limit
-it would take a small sandbox for a big one: the host chooses instead. `watch` reads every PERIOD s
-what each sandbox holds (its cgroup's anonymous and shared memory, or the PSS of its processes,
-shared memory included) and kills, as its own doing, the one that holds the most once all together
-pass HIGH of the share (v1: the kernel's OOM killer is off at the shared limit, allocations there
-wait or fail; v2: past memory.high they are throttled), and, where no cgroup charges a sandbox,
-one past its own limit (its memfds and SysV shm are refused then: bwrap.seccomp_filter).
+All sandboxes together get SHARE of the memory available at start-up. The OOM killer ranks by resident memory, which
+memfds and tmpfs files are not, so at that limit it would take a small sandbox for a big one: the host chooses.
+`watch` reads every PERIOD s what each sandbox holds (its cgroup's anonymous and shared memory, or the PSS of its
+processes) and kills, as its own doing, the one holding the most once all together pass HIGH of the share (v1: the
+OOM killer is off at the shared limit, v2: memory.high throttles past HIGH) and, where no cgroup charges it, one past
+its own limit (then memfds and SysV shm are refused: bwrap.seccomp_filter).
 """
 
 from __future__ import annotations
@@ -161,8 +156,10 @@ class Cgroup:
 
     def held(self) -> int:
         """Bytes the sandbox holds that the kernel cannot reclaim: anonymous and shared memory (memfds, tmpfs)."""
-        stat = dict(line.split() for line in _read(f"{self.dirs[0]}/memory.stat").splitlines())
-        return int(stat["anon" if self.version == 2 else "rss"]) + int(stat["shmem"])
+        with contextlib.suppress(OSError, KeyError):  # removed: the sandbox is gone
+            stat = dict(line.split() for line in _read(f"{self.dirs[0]}/memory.stat").splitlines())
+            return int(stat["anon" if self.version == 2 else "rss"]) + int(stat["shmem"])
+        return 0
 
     async def remove(self) -> None:
         for _ in range(100):  # its last processes may still be on their way out
@@ -187,7 +184,8 @@ def pss(pid: int) -> int:
     while todo:
         p = todo.pop()
         with contextlib.suppress(OSError, ValueError, IndexError):  # gone meanwhile
-            todo += [int(c) for t in os.listdir(f"/proc/{p}/task") for c in _read(f"/proc/{p}/task/{t}/children").split()]
+            kids = (_read(f"/proc/{p}/task/{t}/children").split() for t in os.listdir(f"/proc/{p}/task"))
+            todo += [int(c) for some in kids for c in some]
             total += int(_read(f"/proc/{p}/smaps_rollup").split("\nPss:")[1].split()[0]) << 10
     return total
 
@@ -197,43 +195,31 @@ _watching: asyncio.Task | None = None
 
 
 def watch(key, read, limit: int, kill) -> None:
-    """Watch a sandbox's memory (see the module docstring) until `unwatch(key)`, or until the watch calls
-    `await kill(why)`; `read()` runs off the event loop."""
+    """Watch a sandbox's memory (the module docstring) until `unwatch(key)`; `read()` runs off the event loop."""
     global _watching
     _watched[key] = read, limit, kill
     if _watching is None or _watching.done() or _watching.get_loop() is not asyncio.get_running_loop():
         _watching = asyncio.ensure_future(_watch())
 
 
-def unwatch(key) -> None:
-    _watched.pop(key, None)
-
-
-def _held(read) -> int:
-    try:
-        return read()
-    except (OSError, KeyError, ValueError):  # its cgroup is removed: the sandbox is gone
-        return 0
-
-
-def _kill(key, why: str) -> None:
-    if (entry := _watched.pop(key, None)) is not None:
+def unwatch(key, why: str = "") -> None:
+    """Stop watching a sandbox; with a reason, kill it (`kill(why)`)."""
+    if (entry := _watched.pop(key, None)) is not None and why:
         asyncio.ensure_future(entry[2](why))
 
 
 async def _watch() -> None:
-    how = shared()
-    share = int(available_mb() * SHARE) if isinstance(how, str) else how[2]
+    how, share = shared(), int(available_mb() * SHARE)  # the limit of the shared cgroup, where there is one
     stuck = None if isinstance(how, str) or how[0] == 2 else f"{how[1][0]}/memory.oom_control"  # v1: under_oom
     while _watched:
         items = list(_watched.items())
-        held, full = await asyncio.to_thread(lambda: ([_held(read) for _, (read, _, _) in items],
+        held, full = await asyncio.to_thread(lambda: ([read() for _, (read, _, _) in items],
                                                       stuck is not None and "under_oom 1" in _read(stuck)))
         for (key, (_, limit, _)), n in zip(items, held):
             if limit and n > limit:
-                _kill(key, f"the sandbox reached its memory limit ({limit >> 20:,} MB)")
-        if items and (sum(held) > HIGH * (share << 20) or full):
+                unwatch(key, f"the sandbox reached its memory limit ({limit >> 20:,} MB)")
+        if sum(held) > HIGH * (share << 20) or full:
             n, key = max(zip(held, (key for key, _ in items)), key=lambda pair: pair[0])
-            _kill(key, f"all sandboxes together reached {HIGH:.0%} of their memory limit ({share:,} MB) while it held "
-                       f"the most ({n >> 20:,} MB)")  # fmt: skip
+            unwatch(key, f"all sandboxes together reached {HIGH:.0%} of their memory limit ({share:,} MB) while it "
+                         f"held the most ({n >> 20:,} MB)")  # fmt: skip
         await asyncio.sleep(PERIOD)

@@ -9,26 +9,21 @@
     server.backend_errors(kernel.id)          # search / page backend failures of the episode
     server.close_episode(kernel.id)
 
-The socket a request arrives on says which episode it belongs to: a request cannot name another
-episode, and printed text is never parsed for answers. Every backend call has a timeout, and a
-failure becomes an error reply, which the kernel raises as ToolError with the reason, and is
-recorded in `backend_errors` (the collector treats such an episode as an environment failure). The first
-final answer of an episode counts; later ones are refused (the kernel prints that they were).
-Records of closed episodes are kept for the last `keep_closed` episodes.
+The socket a request arrives on says which episode it belongs to: a request cannot name another episode, and printed
+text is never parsed for answers. Every backend call has a timeout, and a failure becomes an error reply, which the
+kernel raises as ToolError with the reason, and is recorded in `backend_errors` (the collector treats such an episode
+as an environment failure). The first final answer of an episode counts; later ones are refused (the kernel prints
+that they were). Records of closed episodes are kept for the last `keep_closed` episodes.
 
-A sandbox cannot exhaust the host's descriptors or event loop: each episode has at most
-`max_connections` open connections (more wait in the socket's backlog, or are refused when it is
-full), accepted in small batches, each closed `timeout` + 5 s after it was accepted however idle or
-slow its client. Out of descriptors anyway, a socket pauses for a second and says so once a minute.
-A connection carries one request, and an episode's connections are accepted at most `calls_per_second`
-a second (a burst of as many): its tool calls, submit_final_answer included, wait beyond that. A request
-is at most `max_request_bytes`, a text argument at most `max_arg_chars` (a clear error to the agent);
-searches run off the event loop (search.BM25Backend), and queries go to a backend as valid Unicode.
-
-One episode's tool work cannot delay another's beyond its turn: an episode's backend calls wait in its own
-line, `backend_calls` of them at the backend at once, and a call whose client hung up leaves the line or
-the backend (aiohttp's handler cancellation; BM25Backend drops a queued search). A wait in its own line
-past `timeout` is the episode's doing (an error to the agent); only a backend call past it is a failure.
+A sandbox cannot exhaust the host's descriptors or event loop: each episode has at most `max_connections` open
+connections (more wait in the socket's backlog, or are refused when it is full), accepted in small batches, each
+closed `timeout` + 5 s after it was accepted however idle or slow its client. Out of descriptors anyway, a socket
+pauses for a second and says so once a minute. A connection carries one request, and an episode's connections are
+accepted at most `calls_per_second` a second (a burst of as many): its tool calls, submit_final_answer included, wait
+beyond that. A request is at most `max_request_bytes`, a text argument at most `max_arg_chars` (a clear error to the
+agent); searches run off the event loop (search.BM25Backend), and queries go to a backend as valid Unicode. An
+episode's backend calls take turns in its own line (`backend_calls` at once), and a hang-up ends a call (aiohttp's
+handler cancellation), so its searches delay only itself: a wait in its line past `timeout` is its error, not a failure.
 """
 
 from __future__ import annotations
@@ -66,7 +61,7 @@ class ToolServer:
         self.snippet_chars, self.page_chars, self.top_k = snippet_chars, page_chars, top_k
         self.root: str | None = None  # the sockets' folder (0700: only this user reaches them)
         self._runner: web.AppRunner | None = None
-        self._sites: dict[str, tuple] = {}  # open: key -> (path, listener, connections, [calls due, when counted])
+        self._sites: dict[str, tuple] = {}  # open: key -> (path, listener, connections, [calls due, when], its line)
         self._by_path: dict[str, str] = {}  # socket path -> key
         self._answers: dict[str, str] = {}
         self._allowed: dict[str, tuple[str, ...]] = {}  # key -> the search tools its task may call

@@ -49,14 +49,13 @@ def trim(text: str, limit: int) -> str:
     return text[:head] + MARKER.format(n=n) + (text[len(text) - tail :] if tail else "")
 
 
-class Json:
-    """`text` trimmed to `limit`, shown as a JSON string: the host reads it back (the notepad) with json.loads."""
+class Json(str):
+    """`text` trimmed to `limit`, shown as JSON: the host reads it back (the notepad) with json.loads."""
 
-    def __init__(self, text, limit: int):
-        self.text = trim(str(text), limit)
+    def __new__(cls, text, limit: int):
+        return super().__new__(cls, trim(str(text), limit))
 
-    def __repr__(self) -> str:
-        return json.dumps(self.text)
+    __repr__ = json.dumps
 
 
 class _Cell:
