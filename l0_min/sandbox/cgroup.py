@@ -26,7 +26,7 @@ import os
 import re
 
 log = logging.getLogger(__name__)
-SHARE, HIGH, PERIOD = 0.75, 0.9, 0.25  # of the memory available at start-up for all sandboxes; see the docstring
+SHARE, HIGH, PERIOD = 0.75, 0.9, 0.25  # all sandboxes' part of the memory at start-up; the watch: where, how often
 
 
 def _read(path: str) -> str:
@@ -143,8 +143,8 @@ class Cgroup:
         self.procs = [f"{d}/cgroup.procs" for d in self.dirs]
 
     def oom(self) -> str:
-        """'limit' if the OOM killer struck at the sandbox's own limit; 'all' at the limit of all sandboxes,
-        this one having held the most (its peak that of no other below); 'host' otherwise; '' if it did not."""
+        """'limit' if the OOM killer struck at the sandbox's own limit; 'all' at the limit of all sandboxes, its peak
+        the largest of theirs; 'host' otherwise; '' if it did not strike."""
         d, parent = self.dirs[0], os.path.dirname(self.dirs[0])  # v1: the memory hierarchy
         try:
             (kills, at_limit), others = _struck(d, self.version, self.limit), glob.glob(f"{parent}/l0_min-*/")
@@ -219,7 +219,7 @@ async def _watch() -> None:
             if limit and n > limit:
                 unwatch(key, f"the sandbox reached its memory limit ({limit >> 20:,} MB)")
         if sum(held) > HIGH * (share << 20) or full:
-            n, key = max(zip(held, (key for key, _ in items)), key=lambda pair: pair[0])
+            n, key = max(zip(held, (key for key, _ in items)), key=lambda most: most[0])
             unwatch(key, f"all sandboxes together reached {HIGH:.0%} of their memory limit ({share:,} MB) while it "
                          f"held the most ({n >> 20:,} MB)")  # fmt: skip
         await asyncio.sleep(PERIOD)
