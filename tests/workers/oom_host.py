@@ -23,7 +23,8 @@ from l0_min.config import KernelConfig, SandboxConfig  # noqa: E402
 from l0_min.sandbox import cgroup  # noqa: E402
 from l0_min.sandbox.kernel import Kernel  # noqa: E402
 
-MEMFD = "import os\nhold = []\ndef chunk():  # one memfd a chunk: each under RLIMIT_FSIZE\n    hold.append(os.memfd_create('x'))\n    os.write(hold[-1], b'0' * (16 << 20))\n"
+MEMFD = ("import os\nhold = []\ndef chunk():  # one memfd a chunk: each under RLIMIT_FSIZE\n"
+         "    hold.append(os.memfd_create('x'))\n    os.write(hold[-1], b'0' * (16 << 20))\n")
 ANON = "hold = []\ndef chunk():\n    hold.append(bytearray(b'0') * (16 << 20))\n"
 HOG = "import time\nfor _ in range({n}):\n    chunk()\n    time.sleep({pause})\n'held'"  # 16 MB at a time
 INNOCENT = "import time\nx = bytearray(b'1') * (50 << 20)\ntime.sleep(3)\n'innocent'"
@@ -51,10 +52,13 @@ async def main(scenario: str, mode: str) -> None:
     beat = asyncio.ensure_future(heartbeat(stall))
     hog = (MEMFD if mode == "cgroup" else ANON) + HOG.format(n=n, pause=pause)
     cells = await asyncio.gather(*(k.execute(hog if i < hogs else INNOCENT) for i, k in enumerate(kernels)))
+    await asyncio.sleep(2 * cgroup.PERIOD)  # a kernel may die after its cell, for one that allocated later
+    ends = [(r.death, r.crashed) if r.dead else k.death() if not k.is_alive() else ("", False)
+            for r, k in zip(cells, kernels)]
     await asyncio.gather(*(k.shutdown() for k in kernels))
     beat.cancel()
-    print(json.dumps({"cells": [{"result": r.result, "error": r.error_value, "dead": r.dead, "death": r.death,
-                                 "crashed": r.crashed} for r in cells],
+    print(json.dumps({"cells": [{"result": r.result, "error": r.error_value, "dead": bool(death), "death": death,
+                                 "crashed": crashed} for r, (death, crashed) in zip(cells, ends)],
                       "adj": adj, "share": int(cgroup.available_mb() * cgroup.SHARE), "available": cgroup.available_mb(),
                       "shared": cgroup.shared(), "host_mb": len(held) >> 20,
                       "stall_ms": 1000 * stall[0]}))  # fmt: skip
