@@ -41,7 +41,7 @@ from typing import Awaitable, Callable, Protocol
 from l0_min import algo
 from l0_min.agent import Kernel, Policy, Tools, run_episode
 from l0_min.config import Config, RolloutConfig
-from l0_min.envs import SEARCH_TOOLS, TaskEnv, setup_cells
+from l0_min.envs import SEARCH_TOOLS, ExpertPolicy, TaskEnv, setup_cells
 from l0_min.episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode, Task
 from l0_min.inference import InferenceError
 from l0_min.rewards import score_episode
@@ -89,15 +89,20 @@ async def prepare(kernel, env: TaskEnv, task: Task, tools: Tools, timeout: float
             raise RuntimeError(f"setting up the workspace of task {task.id} failed: {res.text()[-500:]}")
 
 
-async def _attempt(svc: Services, task: Task) -> tuple[Episode, list[str]]:
-    """One try: acquire a kernel, prepare it for the task, run the agent under the hard timeout, release the
-    kernel. Returns the episode and the tool backend errors the host saw during it."""
+async def _attempt(svc: Services, task: Task, prefix: int = 0) -> tuple[Episode, list[str]]:
+    """One try: acquire a kernel, prepare it for the task, run the agent under the hard timeout (its first `prefix`
+    actions the expert's: context, Step.prefix), release the kernel. Returns the episode and the tool backend
+    errors the host saw during it."""
     kernel, cfg, env = None, svc.cfg, svc.envs[task.env]
+    policy = svc.policy if not prefix else ExpertPolicy([task], svc.envs, svc.tokenizer, cfg.agent.prefill, svc.policy,
+                                                        prefix)  # fmt: skip
     try:
         kernel = await svc.kernels.acquire()
         await prepare(kernel, env, task, svc.tools, cfg.kernel.exec_timeout)
-        ep = await asyncio.wait_for(run_episode(task, env, svc.policy, kernel, svc.tools, svc.tokenizer, cfg),
+        ep = await asyncio.wait_for(run_episode(task, env, policy, kernel, svc.tools, svc.tokenizer, cfg),
                                     timeout=cfg.rollout.episode_timeout)
+        for s in ep.steps[:prefix]:
+            s.prefix = True
         return ep, svc.tools.backend_errors(kernel.id)
     except asyncio.TimeoutError:
         return Episode(task, status=TIMEOUT, error=f"hard episode timeout of {cfg.rollout.episode_timeout:g} s"), []
@@ -141,14 +146,15 @@ async def _wait_for_server(svc: Services) -> bool:
         delay = min(delay * 2, 10.0)
 
 
-async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0) -> Episode:
-    """One finished episode: environment retries and inference pauses (see the module docstring),
-    then its status, mask and score are settled here, the one place an episode is finished."""
+async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, prefix: int = 0) -> Episode:
+    """One finished episode (from the first `prefix` steps of the task's expert: rollout.resample): environment
+    retries and inference pauses (see the module docstring), then its status, mask and score are settled here,
+    the one place an episode is finished."""
     retries = svc.cfg.rollout.max_retries
     async with svc.semaphore:
         env_failures = inference_failures = 0
         while True:
-            ep, backend_errors = await _attempt(svc, task)
+            ep, backend_errors = await _attempt(svc, task, prefix)
             if backend_errors and ep.status not in (ENV_ERROR, INFERENCE_ERROR):  # a tool backend failed under it
                 ep.status = ENV_ERROR
                 ep.error = f"{len(backend_errors)} tool backend failure(s), the first: {backend_errors[0]}"
@@ -291,8 +297,12 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
     stats = {"groups_launched": 0, "groups_dropped_ds": 0, "groups_topped_up": 0, "timeouts_dropped": 0,
              "timeouts_kept": 0, "stragglers_cancelled": 0}  # fmt: skip
 
+    draw = random.Random(f"{getattr(stream, 'seed', 0)}-{stream.position}")  # which groups start from an expert prefix
+
     async def group(gi: int, task: Task) -> list[Episode]:
-        jobs = [asyncio.ensure_future(run_one(svc, task, gi, s)) for s in range(rc.n_samples)]
+        expert = svc.envs[task.env].expert(task) if rc.resample and draw.random() < rc.resample else None
+        k = draw.randint(1, len(expert) - 1) if expert and len(expert) > 1 else 0  # one state for the whole group
+        jobs = [asyncio.ensure_future(run_one(svc, task, gi, s, k)) for s in range(rc.n_samples)]
         try:
             return list(await asyncio.gather(*jobs))
         finally:  # one sample raised (InferenceDown) or the group was cancelled: stop its siblings
@@ -409,8 +419,9 @@ def drop_stale(episodes: list[Episode], version: int, max_lag: int) -> tuple[lis
     """
     kept, stats = [], {"stale_dropped": 0}
     for ep in episodes:
-        lags = [version - (int(s.weight_version) if s.weight_version.isdigit() else 0) for s in ep.steps]
-        for lag, s in zip(lags, ep.steps):
+        own = [s for s in ep.steps if not s.prefix]  # an expert prefix came from no weights
+        lags = [version - (int(s.weight_version) if s.weight_version.isdigit() else 0) for s in own]
+        for lag, s in zip(lags, own):
             stats[f"lag/{lag}"] = stats.get(f"lag/{lag}", 0) + len(s.action_ids)
         if lags and max(lags) > max_lag:
             stats["stale_dropped"] += 1

@@ -208,6 +208,9 @@ class RolloutConfig:
     max_extra_groups: int = 16  # dynamic sampling: extra groups drawn at most per step
     over_sample_groups: int = 0  # launch this many extra groups, cancel stragglers when full
     overlap: int = 0  # k: collect up to k batches ahead while training (policy lag <= k); 0 = strictly on-policy
+    # chunk-initialization resampling (ROLL): this share of groups starts from the first k steps of the task's expert,
+    # k drawn per group from 1 .. its steps - 1; those steps are context, never trained (0: off)
+    resample: float = 0.0
 
 
 @dataclass

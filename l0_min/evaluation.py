@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Awaitable, Callable
 
 from l0_min.answers import has_answer
+from l0_min.envs import solved
 from l0_min.episode import ENV_ERROR, Episode, is_number
 from l0_min.log import label, open_jsonl, read_jsonl, write_jsonl
 
@@ -304,15 +305,16 @@ def summarize(records: list[dict], metrics: tuple[str, ...] | list[str], k: int 
 
 def summarize_episodes(episodes: list[Episode], envs: dict) -> dict[str, dict]:
     """Held-out episodes (train.py, rollout.py) summarised per environment, by its metrics, and with several
-    environments "all" too, whose headline is "solved" (each episode's own environment's headline was 1).
-    Masked episodes count as failures."""
-    recs = [record(ep) | {"solved": float(float(ep.rewards.get(envs[ep.task.env].metrics[0], 0.0)) == 1.0),
-                          "id": f"{ep.task.env}/{ep.task.id}"} for ep in episodes]  # fmt: skip
+    environments "all" too, whose headline is "solved" (each episode's own environment's headline was 1). Each
+    episode is a trial of its own (run.eval_samples of one task too: the policy's rate on the tasks is what a
+    step changes); masked episodes count as failures."""
+    recs = [record(ep) | {"solved": float(solved(ep, envs[ep.task.env])), "id": f"{ep.task.env}/{ep.task.id}#{i}"}
+            for i, ep in enumerate(episodes)]
     names = sorted({ep.task.env for ep in episodes})
-    if len(names) == 1:
-        return {"all": summarize(recs, envs[names[0]].metrics)}
-    return {name: summarize([r for r, ep in zip(recs, episodes) if ep.task.env == name], envs[name].metrics)
-            for name in names} | {"all": summarize(recs, ["solved"])}
+    by_env = {"all": summarize(recs, envs[names[0]].metrics)} if len(names) == 1 else \
+        {name: summarize([r for r, ep in zip(recs, episodes) if ep.task.env == name], envs[name].metrics)
+         for name in names} | {"all": summarize(recs, ["solved"])}  # fmt: skip
+    return {name: m | {"unit": "episodes"} for name, m in by_env.items()}
 
 
 def _pct(v: float) -> str:
@@ -335,11 +337,11 @@ def format_summary(m: dict) -> str:
         parts.append(f"judge accuracy {_pct(m['judge']['accuracy'])}")
         if m["judge"].get("unparsed_samples"):
             parts.append(f"{m['judge']['unparsed_samples']} judge replies unparsed")
-    return " | ".join(parts + [f"{m['n']} questions x {m['k']} samples"])
+    return " | ".join(parts + [f"{m['n']} episodes" if m.get("unit") == "episodes" else f"{m['n']} questions x {m['k']} samples"])
 
 
 _KEYS = {"n", "samples", "k", "metric", "score", "successes", "score_ci", "pass_at_k", "answered", "reward", "steps",
-         "incomplete_questions", "status", "not_attempted", "judge", "sources", "source_avg"}
+         "incomplete_questions", "status", "not_attempted", "judge", "sources", "source_avg", "unit"}
 
 
 def _metrics(m: dict) -> list[str]:

@@ -438,6 +438,45 @@ async def test_an_exception_from_score_fails_its_episode_never_the_run():
     assert batch.stats["episodes_masked"] == 2 and env.kernels.in_use == 0
 
 
+async def test_resampled_groups_start_from_the_experts_first_steps_which_are_never_trained():
+    """Issue 36, chunk-initialization resampling (rollout.resample): a group starts from the first k steps of its
+    task's expert (k drawn per group, 1 .. its steps - 1; every sample of the group from the same state); those
+    steps are context: no reward, mask 0 in the training rows whatever their advantage, counted per k."""
+    from l0_min.envs.qa import QA
+    from l0_min.episode import segment_rows
+    from l0_min.log import batch_metrics
+
+    expert = [act("look", 'print("a")'), act("peek", 'print("b")'), ANSWER]  # thoughts too short to be well formed
+
+    class WithExpert(QA):
+        def expert(self, task):
+            return expert
+
+    cfg = config(batch_size=8, n_samples=2, resample=1.0)
+    cfg.reward.min_think_chars = 5  # the policy's "answer now" is well formed, the expert's "look" is not
+    env = fake_env(cfg, ScriptedPolicyServer())
+    env.envs = {"qa": WithExpert(cfg)}
+    batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks(*"abcdefgh")), cfg.rollout, False), 30)
+    assert_well_formed(batch, 8, 2)
+    ks = [{e.prefix_steps for e in eps} for eps in groups_of(batch).values()]
+    assert all(len(k) == 1 for k in ks) and set().union(*ks) == {1, 2}, ks  # one state per group; both lengths drawn
+    for e in batch.episodes:
+        k = e.prefix_steps
+        assert [s.prefix for s in e.steps] == [True] * k + [False] * (len(e.steps) - k)
+        assert [s.action_text for s in e.steps[:k]] == expert[:k] and e.final_answer == "42"
+        assert all(s.reward == 0.0 for s in e.steps[:k]) and e.rewards["format"] == 1.0  # only its own steps count
+        (row,) = segment_rows(e, [1.0] * len(e.steps))
+        for s in e.steps:
+            span = row.mask[len(s.context_ids) : len(s.context_ids) + len(s.action_ids)]
+            assert set(span) == ({0.0} if s.prefix else {1.0})
+    assert sum(r.mask.count(0.0) < len(r.mask) for r in training_rows(batch.episodes, cfg.algo)) == 16
+    m = batch_metrics(batch.episodes, env.envs)
+    assert m["resample/k1/episodes"] + m["resample/k2/episodes"] == 16 and m["resample/k2/solved"] == m["resample/k2/episodes"]
+    cfg.rollout.resample = 0.0  # off: no group starts from a prefix
+    batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("a")), cfg.rollout, False), 30)
+    assert all(e.prefix_steps == 0 for e in batch.episodes)
+
+
 async def test_run_tasks_returns_every_sample_in_task_order():
     cfg = config(max_concurrency=3)
     env = fake_env(cfg, ScriptedPolicyServer(delay=0.01))

@@ -39,8 +39,17 @@ def swaps(cfg: configlib.Config, out_dir: Path) -> list[str]:
 
 
 def configlib_get(cfg, key: str):
-    section, name = key.split(".")
-    return getattr(getattr(cfg, section), name)
+    for name in key.split("."):  # a section's field, or a key of a mapping (envs.qa.entities)
+        cfg = cfg[name] if isinstance(cfg, dict) else getattr(cfg, name)
+    return cfg
+
+
+def leaves(values: dict, prefix: str = "") -> dict:
+    """{"envs": {"qa": {"entities": 160}}} -> {"envs.qa.entities": 160}; lists and scalars are leaves."""
+    out = {}
+    for k, v in values.items():
+        out |= leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
 
 
 @pytest.mark.slow
@@ -62,13 +71,9 @@ def test_every_shipped_config_runs_two_rl_steps_on_two_ranks(path, tmp_path):
     # everything the overrides did not name ran as the config file says
     ran = yaml.safe_load((run_dir / "config.yaml").read_text())
     swapped = {o.split("=")[0] for o in over}
-    for section, values in yaml.safe_load(path.read_text()).items():
-        if not isinstance(values, dict):  # a top-level setting (env: math)
-            assert ran[section] == values == getattr(cfg, section), section
-            continue
-        for key, value in values.items():
-            if f"{section}.{key}" not in swapped:
-                assert ran[section][key] == configlib_get(cfg, f"{section}.{key}"), f"{section}.{key}"
+    for key in leaves(yaml.safe_load(path.read_text())):  # a top-level setting (env: math) or a section's
+        if key not in swapped:
+            assert configlib_get(ran, key) == configlib_get(cfg, key), key
 
 
 def test_a_cuda_config_without_cuda_stops_at_start_up_with_one_line(tmp_path):

@@ -192,23 +192,28 @@ def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: 
 class ExpertPolicy:
     """The environments' experts behind the Policy interface, so expert episodes run through the real agent
     loop, kernels and tools like sampled ones (their observations are real). An episode's task is found by
-    its id in the episode key the agent sets; its step by the calls made for that episode. Log-probs are 0."""
+    its id in the episode key the agent sets; its step by the calls made for that episode. Log-probs are 0.
+    With `then` (a policy), an episode's first `steps` actions are the expert's and the rest `then`'s: the
+    episode starts from a known trajectory's state (chunk-initialization resampling, collect.run_one)."""
 
-    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = ""):
+    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None,
+                 steps: int = 0):  # fmt: skip
         self.tasks, self.envs = {t.id: t for t in tasks}, envs
-        self.tokenizer, self.prefill = tokenizer, prefill
+        self.tokenizer, self.prefill, self.then, self.steps = tokenizer, prefill, then, steps
         self.calls: dict[str, int] = {}
 
     async def health(self) -> bool:
-        return True
+        return True if self.then is None else await self.then.health()
 
     async def generate(self, input_ids: list[int], sampling: dict):
         from l0_min.inference import Generation, episode_key
 
         key = episode_key.get()
+        n = self.calls[key] = self.calls.get(key, -1) + 1
+        if self.then is not None and n >= self.steps:
+            return await self.then.generate(input_ids, sampling)
         task = self.tasks[key.rsplit("#", 1)[0]]
         actions = self.envs[task.env].expert(task)
-        n = self.calls[key] = self.calls.get(key, -1) + 1
         action = actions[min(n, len(actions) - 1)]
         action = action[len(self.prefill):] if self.prefill and action.startswith(self.prefill) else action
         ids = self.tokenizer.encode(action, add_special_tokens=False)  # the context already ends with the prefill
