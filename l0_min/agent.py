@@ -4,22 +4,9 @@
       -> decode -> parse <think>...</think><code>...</code> -> kernel.execute(code)
       -> the cell's output -> the context watcher adds "<output>...</output> + budget note"
 
-Token-in/token-out: each Step keeps the context ids sent, the action ids and log-probs returned.
-Action text is decoded from the ids for parsing and display only; it is never re-tokenized. With
-`agent.prefill` ("<think>"), each assistant turn opens with that text inside the context ids; the
-sampled action continues it, and the step's action_text is prefill + decoded action. The context
-watcher (`l0_min.context`) owns the ids: it gives the prompt, takes back the action ids and the
-output text, and rebuilds itself around the notepad when the window fills.
-
-The services are small Protocols (`Policy`, `Kernel`, `Tools`): the real ones are the SGLang
-client, a sandboxed kernel and the host tool server; tests use the fakes in tests/fakes.py. What the
-agent is told (system prompt, worked example, the task) comes from its environment (`l0_min.envs`).
-The episode ends when the tool server has recorded a final answer for this kernel (the in-kernel
-submit_final_answer call reaches the host; printed text is never parsed), or on a budget: steps,
-context tokens, wall time. A kernel that the agent's own code killed or broke ends it as
-kernel_crashed (scored like any failure; the sandbox decides whose fault a death is), any other kernel
-failure as env_error, an InferenceError as inference_error; retries, masks and scores are the
-collector's business (`collect.run_one`).
+Token-in/token-out: a Step keeps the context ids sent and the action ids and log-probs returned; text is decoded
+for parsing and display only. The services are Protocols (`Policy`, `Kernel`, `Tools`); the episode ends with a
+final answer the tool server recorded, or on a budget (README "Inside the loop" has how each end is scored).
 """
 
 from __future__ import annotations

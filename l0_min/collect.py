@@ -4,27 +4,10 @@
     batch = await collect_batch(svc, stream, cfg.rollout)         # train.py: groups, dynamic sampling
     await run_tasks(svc, tasks, n_samples, on_episode=write)      # rollout.py / evaluate.py
 
-Each task runs in its environment (`task.env`): the kernel gets that environment's host tools and
-workspace files (a hidden first cell), the agent its prompts, the episode its score.
-
-Failure handling (after the ROLL team's notes on agentic RL at scale):
-- environment failures (the sandbox did not start or could not be set up for the task, the host killed the
-  kernel, a search / page backend failed or stalled; not a kernel the agent's own code killed: kernel_crashed)
-  are retried up to `rollout.max_retries` times on a fresh kernel, then kept as a masked placeholder: zero
-  training weight, counted in the metrics (`Episode.masked`, `batch.stats["episodes_masked"]`);
-- episodes out of wall time (agent.max_wall_seconds, or the hard rollout.episode_timeout) are dropped while
-  the dropped fraction stays under rollout.max_dropped_frac, then trained as failures;
-- inference failures pause the episode while the server comes back; a server unreachable for
-  inference.down_after seconds ends the run with InferenceDown (the InferenceClient has already retried that
-  long). A failure while the server answers /health (a refused request, an unusable response) is retried
-  like an environment failure, then masked, instead of looping forever;
-- an exception from an environment's score() fails the episode, not the run: scored as unanswered when the
-  agent's answer raised it (`_score`), else masked;
-- dynamic sampling drops groups whose core reward (the environment's answer reward) has no variance and
-  draws tasks until the batch is full, with at most rollout.max_extra_groups extra groups; past the cap, the
-  batch is topped up with dropped groups so its size stays fixed.
-Episodes are consumed as they finish, never in lock step: a group completes when its last episode does, and
-up to rollout.max_concurrency episodes are in flight at any time.
+Each task runs in its environment (`task.env`): its host tools, workspace files (hidden first cells), prompts and
+score. Environment failures are retried, then masked; timeouts dropped up to a cap, then failures; an unreachable
+server pauses episodes, then ends the run (InferenceDown); a score() that raises fails its episode, never the run;
+dynamic sampling and chunk-initialization resampling shape the groups (README "Inside the loop" has the rules).
 """
 
 from __future__ import annotations

@@ -1,27 +1,10 @@
 """The context watcher: the token ids of one episode's context, its budget, and memory truncation.
 
-The context only grows while the next action still has room (`AgentConfig.min_action_tokens`):
-
     prompt(system, task) + action_1 + obs_1 + action_2 + obs_2 + ...        <- one segment
 
-Each observation's ids carry the chat wrapper around it (end of assistant turn, a user turn holding
-the observation, start of the next assistant turn), so every action is an assistant turn. Actions
-are appended as the exact ids the sampler returned; only observation text is ever tokenized.
-
-When the next action would not fit, the context is rebuilt (a new segment):
-
-    prompt(system, task + "N earlier steps were dropped" note + the notepad's current text)
-      + the most recent steps' action and observation ids, verbatim, as many as fit
-
-With `AgentConfig.prefill` (e.g. "<think>"), every assistant turn opens with that text as part of
-the context ids: the prompt and each observation end with it, and the sampled action continues it.
-`examples` (a worked example as earlier chat turns) sit between the system and the task turn and
-are kept on every rebuild.
-
-The first `keep_recent_steps` recent steps are kept whenever they fit at all; more are kept only
-while the rebuilt context stays under `rebuild_fill` of the window, so a rebuild frees real room
-instead of happening again on the next step. If even the rebuilt context without any step leaves
-no room for an action, `rebuild` returns False and the episode ends with MAX_TOKENS.
+Actions are appended as the exact ids the sampler returned; only observation text is ever tokenized. When the next
+action would not fit, the context is rebuilt (a new segment): the prompt with an "N earlier steps were dropped" note
+and the notepad's text, then the most recent steps verbatim, as many as fit (README "Inside the loop").
 """
 
 from __future__ import annotations

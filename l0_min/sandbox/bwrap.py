@@ -1,49 +1,14 @@
-"""The bubblewrap sandbox of one kernel: what it can see and what it can do.
+"""The bubblewrap sandbox of one kernel: what it can see and what it can do (README "The sandbox" has the whole map).
 
-A sandboxed kernel is started as
-
-    sh -c 'echo 1000 >/proc/self/oom_score_adj && echo 0 > <its cgroups>/cgroup.procs &&
-           exec bwrap --args 3 "$@" 3<args 4<seccomp ...' bwrap
-        -- prlimit <limits> -- [setpriv <uid>, no capabilities] -- python -m l0_toolbox.boot -f /run/l0/conn.json
-    args (NUL-separated): <namespaces> <seccomp> <mounts> <environment>
-
-The shell makes itself, and so every process of the sandbox, the OOM killer's first choice (the sandbox cannot lower
-it: that needs CAP_SYS_RESOURCE outside its namespaces; the host keeps its own) and joins the sandbox's cgroups
-(cgroup.py) before bwrap exists. bwrap reads its options, the seccomp filter and the generated files (passwd, group,
-conn.json, the toolbox as a zip) from fds, so /proc/1/cmdline and /proc/self/mountinfo inside show no folder of the
-project or the kernel (only the venv's, the interpreter's and the tool server's, which are mounted from there).
-
-It sees only this file system:
-
-    /usr /bin /lib* , a few /etc files    read-only, from the host
-    <python prefix>, /opt/venv            read-only: the host's interpreter (at its own path; if it
-                                          lives in a home folder, only that path shows) and its venv
-    /opt/l0/l0_toolbox.zip                read-only: the in-kernel tools (l0_min/sandbox/toolbox)
-    /workspace                            its own tmpfs (workspace_mb), the working directory
-    /tmp, /dev/shm                        its own tmpfs (tmp_mb each)
-    /run/l0                               its own 1 MiB tmpfs: the kernel's ipc sockets, plus
-                                          read-only conn.json and tools.sock (the tool server)
-    /proc, /dev                           /proc of its own pid namespace, a minimal read-only /dev
-
-Everything else (home folders, the project, data, ground truth, other kernels) does not exist
-inside, and the root is read-only: the only writable places are the size-limited tmpfs mounts,
-which vanish with the sandbox (the host reaches the kernel's sockets from outside: kernel.py).
-
-Namespaces: all (user, ipc, pid, net, uts, cgroup; no user namespace on a root host, see below); the network is off
-unless `network=True`. Limits (prlimit): address space, file size, open files and CPU seconds per process, processes
-per sandbox, no core files; per sandbox (cgroup): memory + swap (`total_memory_mb`) and tasks. seccomp refuses new
-namespaces, mounts, bpf, keyrings, io_uring, ptrace. The environment is cleared; `env_whitelist` names the host
-variables passed through. `protections` says which of these the host provides (the first kernel start logs it).
-
-Root hosts. Root ignores RLIMIT_NPROC, so a fork bomb in a root-owned sandbox is unlimited. On a root host each
-sandbox therefore runs as its own unprivileged host uid (`UidLease`): bwrap runs in its privileged mode (every
-namespace but the user one) and `setpriv` drops to that uid and clears every capability set (bounding and inheritable
-too), so the kernel holds no capability and no host identity, and its process limit counts only its own processes. On
-a normal user's host bwrap makes a user namespace (--disable-userns: no nested ones) and no uid switch is needed.
-
-Why not --as-pid-1: bwrap's own init stays pid 1. It reaps orphans (zombies count against the process limit), and
-when bwrap dies (host crash, kill) the init dies and the kernel tears down every process of the namespace; with
---as-pid-1 and a uid switch the kernel outlives a killed bwrap (the parent-death signal is not delivered across uids).
+A kernel starts as `sh -c '<oom_score_adj 1000, join its cgroups> exec bwrap --args 3 ...' -- prlimit <limits> --
+[setpriv <uid>] -- python -m l0_toolbox.boot -f /run/l0/conn.json`; bwrap reads its options, the seccomp filter and
+the generated files from fds, so nothing inside names a folder of the project. It sees /usr, /bin, /lib*, a few /etc
+files, the interpreter and its venv and the toolbox zip read-only; its own size-limited tmpfs at /workspace, /tmp,
+/dev/shm and /run/l0 (its ipc sockets, conn.json, tools.sock); its own /proc and a minimal /dev. Every namespace (no
+user namespace on a root host, where each sandbox runs as its own unprivileged uid, `UidLease`, with no capability);
+network off unless `network=True`; prlimit per process, cgroup memory and tasks per sandbox; seccomp refuses new
+namespaces, mounts, bpf, keyrings, io_uring, ptrace (and without a cgroup memfds and SysV shm). `protections` says
+which of these the host provides.
 """
 
 from __future__ import annotations

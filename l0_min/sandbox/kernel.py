@@ -5,24 +5,9 @@
     r = await k.execute("x = 1; x + 1")  # ExecResult(result="2", ...), ~10 ms
     await k.shutdown()                   # no process, no workspace left
 
-jupyter_client does the protocol: an AsyncKernelManager started from our own kernelspec (argv: the bwrap command line;
-interrupt_mode "message": a signal to bwrap would kill the sandbox) and an AsyncKernelClient over ipc. The kernel's
-sockets live in its sandbox (/run/l0), so the network namespace stays empty and no host folder is writable from
-inside; the host opens each once and never follows a path in there again (`_launched`).
-
-`execute` never raises for problems of the code it runs: errors, timeouts (interrupt, grace period,
-then kill) and a dead kernel are fields of the result; a death is the agent's own doing (`crashed`)
-unless the host caused it (`death`). A pidfd watches each kernel process: a death is noticed at
-once, with no polling and no thread per kernel. All kernels share one zmq context. Kernels die with
-a killed host (bwrap --die-with-parent); the next process to start one removes their runtime folders.
-
-What a kernel sends is the agent's (its code holds the session key), bounded before it becomes Python objects: zmq
-drops a connection that sends a frame over MAX_FRAME; a task per channel reads all that arrives, frame by frame
-(`_read`: nothing piles up between cells; no control socket stays open), and a message over MAX_FRAMES, a cell over
-CELL_BYTES or CELL_MESSAGES, or a message that does not parse (bad signature, JSON nested past the recursion limit)
-kills the kernel: the agent's failure. Only the kinds `_Output` reads, of the request waited for, are parsed past
-their headers; invalid Unicode is repaired. Left: zmq hands over a message once all its frames are in, so one of many
-frames is held whole in the host's zmq buffers before it can be counted.
+`execute` never raises for problems of the code it runs: errors, timeouts and a dead kernel are fields of the
+result, a death the agent's own doing (`crashed`) unless the host caused it (`death`). What a kernel sends is
+hostile and bounded before it becomes Python objects (README "Inside the loop" has the protocol and the bounds).
 """
 
 from __future__ import annotations

@@ -3,27 +3,13 @@
     server = ToolServer(backend)              # backend: async search(query, k), async read_page(ref)
     await server.start()
     path = server.open_episode(kernel.id)     # the kernel's sandbox binds this socket (and only it)
-    ...                                       # in the kernel: web_search, read_page, submit_final_answer
     server.allow(kernel.id, ("web_search",))  # the task's search tools (default: all; submit_final_answer always)
     server.final_answer(kernel.id)            # recorded when the call arrived; None if none
-    server.backend_errors(kernel.id)          # search / page backend failures of the episode
     server.close_episode(kernel.id)
 
-The socket a request arrives on says which episode it belongs to: a request cannot name another episode, and printed
-text is never parsed for answers. Every backend call has a timeout, and a failure becomes an error reply, which the
-kernel raises as ToolError with the reason, and is recorded in `backend_errors` (the collector treats such an episode
-as an environment failure). The first final answer of an episode counts; later ones are refused (the kernel prints
-that they were). Records of closed episodes are kept for the last `keep_closed` episodes.
-
-A sandbox cannot exhaust the host's descriptors or event loop: each episode has at most `max_connections` open
-connections (more wait in the socket's backlog, or are refused when it is full), accepted in small batches, each
-closed `timeout` + 5 s after it was accepted however idle or slow its client. Out of descriptors anyway, a socket
-pauses for a second and says so once a minute. A connection carries one request, and an episode's connections are
-accepted at most `calls_per_second` a second (a burst of as many): its tool calls, submit_final_answer included, wait
-beyond that. A request is at most `max_request_bytes`, a text argument at most `max_arg_chars` (a clear error to the
-agent); searches run off the event loop (search.BM25Backend), and queries go to a backend as valid Unicode. An
-episode's backend calls take turns in its own line (`backend_calls` at once), and a hang-up ends a call (aiohttp's
-handler cancellation), so its searches delay only itself: a wait in its line past `timeout` is its error, not a failure.
+The socket a request arrives on names its episode; printed text is never parsed for answers. Every request and call
+is bounded (connections, rate, sizes, time), and an episode's backend calls take turns in its own line, so one
+episode's searches delay only itself (README "Inside the loop" has the bounds).
 """
 
 from __future__ import annotations

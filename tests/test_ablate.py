@@ -1,0 +1,38 @@
+"""bench/ablate.py --quick: one SFT, every arm's RL from its weights, the table and RESULT lines, and a rerun that
+skips the finished runs (the tiny random model: the machinery, not learning)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.test_train import ROOT, _env
+
+ARMS = "grpo,reinforce++,reinforce++:chunk,reinforce++:chunk:resample"
+
+
+@pytest.mark.slow
+def test_the_ablation_runs_every_arm_from_one_sft_start_and_resumes(tmp_path):
+    cmd = [sys.executable, "bench/ablate.py", "--quick", "--config", "configs/tiny_test.yaml", "--arms", ARMS,
+           "--seeds", "1", "--out", str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    results = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["arm"] for r in results] == ["sft", *ARMS.split(",")]
+    sft = results[0]["weights"]
+    for r in results[1:]:  # each arm trained from the SFT run's exported weights, with its own settings
+        config = (ROOT / r["run"] / "config.yaml").read_text()  # (an absolute run path stays as it is)
+        assert f"path: {sft}" in config and r["steps"] > 0 and len(r["rewards"]) == 1
+        assert ("ratio_level: chunk" in config) == ("chunk" in r["arm"]) and ("resample: 0.5" in config) == ("resample" in r["arm"])
+    resampled = results[-1]["resample"]
+    assert sum(n for _, n in resampled.values()) > 0  # some groups started from an expert prefix
+    table = [line.split()[0] for line in p.stdout.splitlines() if line[:1].strip() and line.split()[0] in ARMS.split(",")]
+    assert table == ARMS.split(",")
+    assert "RESULT long_rl_gain=" in p.stdout and "RESULT long_steps_per_episode=" in p.stdout
+    assert (tmp_path / "rewards.png").stat().st_size > 0
+    again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    body = lambda out: out.split("start (after SFT")[1].rsplit("\n", 2)[0]  # the table and RESULT lines, not the time
+    assert again.returncode == 0 and body(again.stdout) == body(p.stdout), again.stdout[-2000:] + again.stderr[-2000:]
+    assert not re.search(r"^\S+: \d+ s, ", again.stdout, re.M)  # no train.py run again: all were in results.jsonl
