@@ -1,20 +1,7 @@
-"""Host-side search and page backends behind the agent's `web_search` / `read_page` tools.
-
-Every backend has the same two coroutines:
-
-    async search(query: str, k: int) -> list[{"id", "title", "text", "score"}]   # best first
-    async read_page(ref: str) -> str                                          # id, title or URL
-
-| backend            | what                                                                      |
-| ------------------ | ------------------------------------------------------------------------- |
-| `BM25Backend`      | local BM25 (bm25s) over [{id, title, text}]: the offline default          |
-| `RetrieverClient`  | a Search-R1-compatible retriever: POST /retrieve {queries, topk, return_scores} |
-| `SerperBackend`    | Google results via serper.dev (SERPER_API_KEY); pages via the Jina reader |
-
-A page that does not exist is a normal answer ("No page found ..."), shown to the agent; a backend
-that fails (HTTP error, unreachable server, malformed reply) raises `SearchError`, which is an
-environment failure, not the policy's fault. Backends return full texts; cutting snippets and pages
-to `tools.snippet_chars` / `tools.page_chars` is the tool server's job.
+"""Host-side search and page backends behind the agent's `web_search` / `read_page` tools: `BM25Backend` (local,
+the offline default), `RetrieverClient` (a Search-R1-compatible retriever), `SerperBackend` (Google via serper.dev,
+pages via the Jina reader), each with `async search(query, k)` (best first) and `async read_page(ref)`. A missing
+page is a normal answer; a failing backend raises `SearchError`, an environment failure (README "Inside the loop").
 """
 
 from __future__ import annotations

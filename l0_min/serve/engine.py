@@ -1,23 +1,10 @@
 """The batching engine of the embedded CPU server: continuous batching over a Hugging Face causal LM.
 
-One background thread owns the model. Each turn of its loop:
-
-    1. takes new requests, aborts and calls from a queue (thread-safe `submit`, `abort`, `call`);
-    2. admits waiting requests while the batch has rows (`max_running`) and keys/values room
-       (`max_total_tokens`: rows x the longest prompt + max_new_tokens);
-    3. prefills admitted prompts, at most `prefill_chunk` tokens per turn, several in one forward: each
-       copies the longest prefix the `RadixCache` holds (an agent's earlier turns, a system prompt) and
-       computes the rest; a prefix that waiting prompts share and nobody computed yet is computed once
-       first. A prompt that is done samples its first token and joins the running batch;
-    4. runs one decode step for the whole batch: every running sequence gets one token.
-
-A request that arrives while others decode joins them at the next step; a sequence leaves as soon as it
-finishes (length, EOS, stop token id, stop string) or is aborted, its keys/values going to the radix cache.
-
-Layout (`BatchKV`): a buffer [2, rows, kv_heads, columns, head_dim] per layer; row r holds sequence r's
-tokens at columns 0..n_r-1 (column = position). A forward writes keys/values at per-row columns and
-attends through a 4D mask: rows of any length share a step without copies, a joining sequence copies its
-own prefix into a free row, and a leaving one is replaced by the last row.
+One background thread owns the model; each turn it takes new requests (thread-safe `submit`, `abort`, `call`),
+admits waiting ones while rows and keys/values room last, prefills admitted prompts (at most `prefill_chunk` tokens a
+turn, each reusing the longest prefix the `RadixCache` holds) and runs one decode step for the whole batch. Keys and
+values live in `BatchKV`: a buffer [2, rows, kv_heads, columns, head_dim] per layer, row r holding sequence r's
+tokens at columns 0..n_r-1, attended through a 4D mask (README "Inside the loop" has the details).
 """
 
 from __future__ import annotations
