@@ -67,7 +67,10 @@ def test_every_shipped_config_runs_two_rl_steps_on_two_ranks(path, tmp_path):
             assert ran[section] == values == getattr(cfg, section), section
             continue
         for key, value in values.items():
-            if f"{section}.{key}" not in swapped:
+            if section == "envs":  # an environment's own settings, envs.<name>.<key>: a mapping, not a dataclass
+                for k, v in value.items():
+                    assert f"envs.{key}.{k}" in swapped or ran["envs"][key][k] == v, f"envs.{key}.{k}"
+            elif f"{section}.{key}" not in swapped:
                 assert ran[section][key] == configlib_get(cfg, f"{section}.{key}"), f"{section}.{key}"
 
 

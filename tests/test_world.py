@@ -236,9 +236,9 @@ def test_expert_of_a_file_task_submits_its_first_gold_answer_in_one_step():
 
 def test_the_long_expert_reads_each_page_notes_what_it_needs_and_computes_the_answer(w):
     """Where snippets cut the pages (tools.snippet_chars=40), each page is searched, then read by its ref, and the
-    sentence needed goes into the notepad in the next cell; the last cell computes the answer. Its cells, run in
-    order with stand-ins for the tools, read the support pages in order, keep every needed sentence in the
-    notepad and submit a gold answer: 5 steps for 2 pages, 7 for 3."""
+    sentence needed goes into the notepad in the next search's cell; the last cell computes the answer. Its cells,
+    run in order with stand-ins for the tools, read the support pages in order, keep every needed sentence in the
+    notepad (but the last, used at once) and submit a gold answer: 5 steps for 2 pages, 7 for 3."""
     from l0_min.sandbox.toolbox.notepad import Notepad
 
     docs, steps = _doc(w), collections.Counter()
@@ -253,7 +253,7 @@ def test_the_long_expert_reads_each_page_notes_what_it_needs_and_computes_the_an
             exec(action.split("<code>")[1].removesuffix("</code>"), scope)
         pages = t.meta["support"]
         assert len(actions) == 2 * len(pages) + 1 and read == pages and searched == [docs[p]["title"] for p in pages]
-        assert scope["notepad"].facts == [" ".join(s for d, s in t.meta["evidence"] if d == p) for p in pages]
+        assert scope["notepad"].facts == [" ".join(s for d, s in t.meta["evidence"] if d == p) for p in pages[:-1]]
         assert len(submitted) == 1 and exact_match(str(submitted[0]), t.answers), (t.question, submitted, t.answers)
         steps[len(actions)] += 1
     assert set(steps) == {5, 7}
@@ -261,18 +261,20 @@ def test_the_long_expert_reads_each_page_notes_what_it_needs_and_computes_the_an
 
 def test_the_expert_reads_pages_only_where_search_results_cut_them():
     """The form follows tools.snippet_chars: configs/cpu_demo.yaml's results show whole pages, so its expert is the
-    two-step one, as before, for every task of the demo; with 40 characters shown, every long task is read page by
-    page, and a lookup takes 3 steps (search, read, note and submit)."""
+    two-step one, as before, for every task of the demo; configs/cpu_long.yaml's show 40 characters, so every long
+    task of its held-out evaluation (64 QA, 64 files) is read page by page; a lookup there would take 3 steps."""
     from l0_min import config
     from l0_min.envs import load_sources
+    from l0_min.envs.files import LONG_KINDS
 
-    demo_yaml = world.Path(__file__).parents[1] / "configs/cpu_demo.yaml"
-    demo = config.resolve(config_file=demo_yaml)
+    configs = world.Path(__file__).parents[1] / "configs"
+    demo = config.resolve(config_file=configs / "cpu_demo.yaml")
     (train,), _, envs = load_sources(demo.data.train, demo)
     (held,), _, _ = load_sources(demo.data.eval, demo)
     assert len(train) + len(held) == 396
     assert all(envs["qa"].expert(t) == expert_actions(t) and len(expert_actions(t)) == 2 for t in train + held)
-    cut = config.resolve(["tools.snippet_chars=40", "data.synthetic_kinds=[multihop,comparison,arithmetic]"], demo_yaml)
-    (long,), _, envs = load_sources(cut.data.eval, cut)
-    assert len(long) == 104 and all(len(envs["qa"].expert(t)) == 2 * t.meta["hops"] + 1 for t in long)
+    long = config.resolve(config_file=configs / "cpu_long.yaml")
+    (qa, files), _, envs = load_sources(long.data.eval, long, limit=long.data.eval_limit)
+    assert len(qa) == len(files) == 64 and {t.meta["kind"] for t in files} == set(LONG_KINDS)
+    assert all(len(envs["qa"].expert(t)) == 2 * t.meta["hops"] + 1 for t in qa)
     assert [a.count("read_page(") for a in expert_actions(train[0], snippet_chars=40)] == [0, 1, 0]

@@ -8,7 +8,8 @@ The question needs code over them; the answer is graded exactly (numbers by `env
     where    Which file defines the function max_quota?                      (a path: src/shop/billing.py)
     returns  What number does the function max_quota() in src/ return?
 
-The long kinds name no file: the expert lists the files, opens one, computes over them all, then submits (4 steps).
+The long kinds name no file: the expert lists the files, opens them, computes over them all, then submits (4 or 5
+steps).
 Their workspaces also hold data/users.csv (each log user's team). A run gets them only where it names one, in
 data.synthetic_kinds or a source's kinds (ids "files<seed>-L0001"): the short kinds' tasks and configs stay as
 they were.
@@ -141,13 +142,11 @@ def _long(rng: random.Random, files: dict[str, str], log_rows: dict[str, list[di
             counts = collections.Counter(r["user"] for r in lines if r["level"] == level).most_common(2)
             (user, n), (_, second) = (counts + [("", 0)] * 2)[:2]
             if n > second:
-                question = f"Which user has the most {level} lines across all logs?"
-                return kind, question, user, {"level": level, "look": min(log_rows)}
+                return kind, f"Which user has the most {level} lines across all logs?", user, {"level": level}
         elif kind == "largest_return":
             (top, n), (_, second) = sorted(value.items(), key=lambda kv: -kv[1])[:2]
             if second < n:
-                look = min(p for p in files if p.startswith("src/") and not p.endswith("__init__.py"))
-                return kind, "Which function in src/ returns the largest number?", top, {"look": look}
+                return kind, "Which function in src/ returns the largest number?", top, {}
         else:  # a level and a team of one line: at least one line counts
             r = rng.choice(lines)
             team, level = teams[r["user"]], r["level"]
@@ -270,45 +269,47 @@ def expert_actions(task: Task) -> list[str]:
 
 
 def long_expert_actions(task: Task) -> list[str]:
-    """A long task in four steps: list the files, open one, compute over them all (printing the result), submit.
+    """A long task step by step: list the files, open them (the logs as lists of words; the modules run), compute
+    and print, submit; the join reads data/users.csv in a step of its own (4 steps; the join 5).
 
     >>> for a in long_expert_actions(make_tasks(0, 1, long=True)[0]): print(a)
-    <think>I list the log files.</think>
+    <think>I list the files.</think>
     <code>import glob
-    print(sorted(glob.glob("logs/*")))</code>
-    <think>I look at the first lines of logs/app.log.</think>
-    <code>print(open("logs/app.log").read()[:150])</code>
-    <think>The user is the 4th word of a line. I count the INFO lines of each user in every log.</think>
+    print(sorted(glob.glob("*/*")))</code>
+    <think>I read the lines of every log as lists of words.</think>
+    <code>lines = [line.split() for p in glob.glob("logs/*.log") for line in open(p)]
+    print(len(lines), lines[0])</code>
+    <think>The user is word 3, the level word 2. I count the INFO lines of each user.</think>
     <code>from collections import Counter
-    c = Counter(line.split()[3] for p in glob.glob("logs/*.log") for line in open(p) if line.split()[2] == "INFO")
+    c = Counter(w[3] for w in lines if w[2] == "INFO")
     print(c.most_common(3))</code>
     <think>bob has the most INFO lines. I submit bob.</think>
     <code>submit_final_answer(c.most_common(1)[0][0])</code>
     """
-    m, gold, logs = task.meta, task.answers[0], 'for p in glob.glob("logs/*.log") for line in open(p)'
+    m, gold = task.meta, task.answers[0]
+    listing = ("I list the files.", 'import glob\nprint(sorted(glob.glob("*/*")))')
+    logs = ("I read the lines of every log as lists of words.", 'lines = [line.split() for p in glob.glob("logs/*.log") '
+            "for line in open(p)]\nprint(len(lines), lines[0])")
     if m["kind"] == "most_lines":
-        steps = [("I list the log files.", 'import glob\nprint(sorted(glob.glob("logs/*")))'),
-                 (f"I look at the first lines of {m['look']}.", f'print(open("{m["look"]}").read()[:150])'),
-                 (f"The user is the 4th word of a line. I count the {m['level']} lines of each user in every log.",
-                  f'from collections import Counter\nc = Counter(line.split()[3] {logs} if line.split()[2] == '
-                  f'"{m["level"]}")\nprint(c.most_common(3))'),
-                 (f"{gold} has the most {m['level']} lines. I submit {gold}.",
-                  "submit_final_answer(c.most_common(1)[0][0])")]
+        steps = [listing, logs,
+                 (f"The user is word 3, the level word 2. I count the {m['level']} lines of each user.",
+                  f'from collections import Counter\nc = Counter(w[3] for w in lines if w[2] == "{m["level"]}")\n'
+                  "print(c.most_common(3))"),
+                 (f"{gold} has the most {m['level']} lines. I submit {gold}.", "submit_final_answer(c.most_common(1)[0][0])")]
     elif m["kind"] == "largest_return":
         steps = [("I list the modules under src.", 'import glob\nprint(sorted(glob.glob("src/*/*.py")))'),
-                 (f"I look at {m['look']}.", f'print(open("{m["look"]}").read())'),
-                 ("I run each module and call its functions that take no argument.",
-                  'vals = {}\nfor p in glob.glob("src/*/[!_]*.py"):\n    ns = {}\n    exec(open(p).read(), ns)\n'
-                  "    vals |= {k: f() for k, f in ns.items() if callable(f) and not f.__code__.co_argcount}\n"
-                  "top = max(vals, key=vals.get)\nprint(top, vals[top])"),
+                 ("I run each module but __init__ and keep its functions.", 'fns = {}\nfor p in glob.glob('
+                  '"src/*/[!_]*.py"):\n    ns = {}\n    exec(open(p).read(), ns)\n    fns |= ns\nprint(list(fns))'),
+                 ("I call each function without arguments and find the largest number.", "vals = {k: f() for k, f in "
+                  "fns.items() if callable(f) and not f.__code__.co_argcount}\ntop = max(vals, key=vals.get)\n"
+                  "print(top, vals[top])"),
                  (f"{gold} returns the largest number. I submit {gold}.", "submit_final_answer(top)")]
     else:
-        steps = [("I list the files.", 'import glob\nprint(sorted(glob.glob("*/*")))'),
-                 ("I read each user's team from data/users.csv.", 'import csv\nteam = {r["user"]: r["team"] for r '
-                  'in csv.DictReader(open("data/users.csv"))}\nprint(team)'),
-                 (f"I count the {m['level']} lines of {m['team']} users in every log.",
-                  f'n = sum(1 {logs} if line.split()[2] == "{m["level"]}" and team[line.split()[3]] == "{m["team"]}")'
-                  "\nprint(n)"),
+        steps = [listing, logs,
+                 ("I read each user's team from data/users.csv.", 'import csv\nteam = {r["user"]: r["team"] for r in '
+                  'csv.DictReader(open("data/users.csv"))}\nprint(team)'),
+                 (f"I count the {m['level']} lines of users in the {m['team']} team.",
+                  f'n = sum(1 for w in lines if w[2] == "{m["level"]}" and team[w[3]] == "{m["team"]}")\nprint(n)'),
                  (f"The count is {gold}. I submit it.", "submit_final_answer(str(n))")]
     return [f"<think>{think}</think>\n<code>{code}</code>" for think, code in steps]
 

@@ -428,8 +428,8 @@ def expert_actions(task: Task, snippet_chars: int | None = None) -> list[str]:
 
     That form needs the search results to show whole pages. Where a result's snippet (the first `snippet_chars`
     characters of the page: tools.snippet_chars) leaves out a sentence the task needs, each page takes two steps:
-    search, then read the page by its ref; the next cell first writes the sentence it needed into the notepad, which
-    a context rebuild keeps; the last one computes the answer in code. 2 pages: 5 steps; 3 pages: 7.
+    search, then read the page by its ref; the next search's cell first writes the sentence it needed into the
+    notepad, which a context rebuild keeps; the last cell computes the answer in code. 2 pages: 5 steps; 3 pages: 7.
 
     >>> t = next(t for t in make_world(0, 30).tasks if t.meta["template"] == "older_org")
     >>> for a in expert_actions(t, snippet_chars=40): print(a)
@@ -437,14 +437,13 @@ def expert_actions(task: Task, snippet_chars: int | None = None) -> list[str]:
     <code>print(web_search("Stotrem Museum of Art"))</code>
     <think>I read the page of Stotrem Museum of Art.</think>
     <code>print(read_page("stotrem-museum-of-art"))</code>
-    <think>I note what I need and search for Stefu Glassworks.</think>
+    <think>I note it and search for Stefu Glassworks.</think>
     <code>notepad.facts.append("The Stotrem Museum of Art was founded in 1994 by Gostond Postas.")
     print(web_search("Stefu Glassworks"))</code>
     <think>I read the page of Stefu Glassworks.</think>
     <code>print(read_page("stefu-glassworks"))</code>
-    <think>I note what I need and submit the answer.</think>
-    <code>notepad.facts.append("The Stefu Glassworks was founded in 1839 by Tetho Kregri.")
-    submit_final_answer("Stotrem Museum of Art" if 1994 < 1839 else "Stefu Glassworks")</code>
+    <think>I compute the answer from the notepad and this page.</think>
+    <code>submit_final_answer("Stotrem Museum of Art" if 1994 < 1839 else "Stefu Glassworks")</code>
     """
     m = task.meta
     if "support" not in m:  # a task from a file: no pages to read; the expert shows the format and the gold answer
@@ -467,12 +466,12 @@ def expert_actions(task: Task, snippet_chars: int | None = None) -> list[str]:
         answer = f'"{x}" if {a} {"<" if (a < b) == (task.answers[0] == x) else ">"} {b} else "{y}"'
     actions, note = [], ""
     for page, ref, fact in zip(pages, m["support"], read):
-        actions += [f'<think>I {"note what I need and " * bool(note)}search for {page}.</think>\n'
+        actions += [f"<think>I {'note it and ' * bool(note)}search for {page}.</think>\n"
                     f'<code>{note}print(web_search("{page}"))</code>',
                     f'<think>I read the page of {page}.</think>\n<code>print(read_page("{ref}"))</code>']
         note = f"notepad.facts.append({json.dumps(fact)})\n"
-    return actions + [f"<think>I note what I need and submit the answer.</think>\n"
-                      f"<code>{note}submit_final_answer({answer})</code>"]
+    return actions + [f"<think>I compute the answer from the notepad and this page.</think>\n"
+                      f"<code>submit_final_answer({answer})</code>"]  # the last page's sentence is used at once
 
 
 # ------------------------------------ the official scores (hotpot_evaluate_v1.py / SQuAD v1.1)
