@@ -1,4 +1,6 @@
 import collections
+import hashlib
+import json
 import re
 
 import pytest
@@ -60,6 +62,18 @@ def test_mix_of_kinds(w):
     hops = collections.Counter(t.meta["hops"] for t in w.tasks)
     assert hops[1] == kinds["lookup"] and hops[2] > 0 and hops[3] > 0
     assert len({t.meta["template"] for t in w.tasks}) >= 20
+    three = collections.Counter(t.meta["kind"] for t in w.tasks if t.meta["hops"] == 3)  # in every long kind
+    assert set(three) == {"multihop", "arithmetic", "comparison"} and 0.25 < hops[3] / (hops[2] + hops[3]) < 0.45, three
+
+
+def test_three_hop_variants_leave_every_other_task_where_it_was():
+    """The 3-hop variants come from a random stream of their own: the demo's world keeps every lookup (id,
+    question, answers, expert) and the kind of every task as they were before the variants (hashes taken then)."""
+    w = make_world(0, 160, 1024)
+    lookups = [(t.id, t.question, t.answers, expert_actions(t)) for t in w.tasks if t.meta["kind"] == "lookup"]
+    digest = lambda x: hashlib.sha1(json.dumps(x).encode()).hexdigest()[:16]  # noqa: E731
+    assert len(lookups) == 396 and digest(lookups) == "51a48dc5db4a9f92"
+    assert digest([t.meta["kind"] for t in w.tasks]) == "ad15b400733f23b3"
 
 
 def _doc(w):
@@ -93,14 +107,14 @@ def _number(text: str) -> int:
 
 
 def test_arithmetic_answers_follow_from_the_evidence(w):
-    checked = 0
+    docs, checked = _doc(w), 0
     for t in w.tasks:
         if t.meta["kind"] != "arithmetic":
             continue
         a, b = t.meta["operands"]
-        (d1, s1), (d2, s2) = t.meta["evidence"]
-        assert f"{a:,}" in s1 or str(a) in s1
-        assert f"{b:,}" in s2 or str(b) in s2
+        sentences = [s for _, s in t.meta["evidence"]]  # 2 pages, or 3: the first named through a founder
+        assert all(any(f"{x:,}" in s or str(x) in s for s in sentences) for x in (a, b))
+        assert len(sentences) == 2 or docs[t.meta["support"][0]]["title"] in t.question
         expected = a + b if t.meta["template"] == "combined_population" else b - a
         assert expected > 0
         assert t.answers[0] == str(expected)
@@ -116,13 +130,14 @@ def test_comparison_answers_follow_from_the_evidence(w):
     for t in w.tasks:
         if t.meta["kind"] != "comparison":
             continue
-        (d1, s1), (d2, s2) = t.meta["evidence"]
-        n1, n2 = docs[d1]["title"], docs[d2]["title"]
-        assert n1 in t.question and n2 in t.question and t.answers in ([n1], [n2])
+        (d1, s1), (d2, s2) = t.meta["evidence"][-2:]  # the two compared; a 3-hop variant names the first through
+        n1, n2 = docs[d1]["title"], docs[d2]["title"]  # the page before (an organisation's founder or headquarters)
+        assert (n1 in t.question or t.meta["hops"] == 3 and n1 in t.meta["evidence"][0][1]) and n2 in t.question
+        assert t.answers in ([n1], [n2])
         v1, v2 = t.meta["operands"]
         assert v1 != v2
         template = t.meta["template"]
-        if template in ("older_org", "born_first"):
+        if template in ("older_org", "born_first", "founder_born_first"):
             assert t.answers == ([n1] if v1 < v2 else [n2])
             years = [v1, v2] if template == "older_org" else [v1[0], v2[0]]
             assert str(years[0]) in s1 and str(years[1]) in s2
@@ -168,11 +183,16 @@ def test_questions_name_their_entities(w):
 @pytest.mark.slow
 def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
     """`rollout.py --expert`: the SFT episodes of train.py, written by the expert through bwrap'd kernels and
-    the tool socket: every lookup answered right in two steps, real search output in the observations."""
-    import json
+    the tool socket: every lookup answered right in two steps, real search output in the observations. Where
+    results show 40 characters of a page, the long tasks too: each page found by its search and read by its
+    ref, and where the context window filled, the rebuilt context holds the notepad's facts."""
     import subprocess
     import sys
     from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from l0_min.models import resolve_model
 
     root = Path(__file__).resolve().parents[1]
     args = ["rollout.py", "--expert", "--data", "synthetic:train", "--limit", "4", "--model", "tiny-random",
@@ -182,6 +202,27 @@ def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
     eps = [json.loads(line) for line in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
     assert len(eps) == 4 and all(e["rewards"]["em"] == 1.0 and len(e["steps"]) == 2 for e in eps)
     assert all("(ref: " in e["steps"][0]["observation"] for e in eps)
+    # the long form (tiny-random's tokens are bytes: a 2,600-token window fills in the 3-hop episodes)
+    args = ["rollout.py", "--expert", "--data", "synthetic:train", "--limit", "3", "--model", "tiny-random", "--out",
+            str(tmp_path / "long"), "data.synthetic_kinds=[multihop,comparison,arithmetic]", "kernel.pool_size=2",
+            "tools.snippet_chars=40", "tools.top_k=2", "agent.max_steps=8", "agent.max_context_tokens=2600",
+            "agent.min_action_tokens=200"]  # fmt: skip
+    p = subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    eps = [json.loads(line) for line in (tmp_path / "long" / "trajectories.jsonl").read_text().splitlines()]
+    tok, docs = AutoTokenizer.from_pretrained(resolve_model("tiny-random")), world._docs(0, 60)
+    assert len(eps) == 3 and {e["task"]["meta"]["hops"] for e in eps} == {2, 3}
+    for e in eps:
+        m, steps = e["task"]["meta"], e["steps"]
+        assert e["rewards"]["em"] == 1.0 and len(steps) == 2 * m["hops"] + 1 and all(s["exec_ok"] for s in steps), e
+        for i, page in enumerate(m["support"]):
+            assert f"(ref: {page})" in steps[2 * i]["observation"]  # the search found the page ...
+            assert docs[page]["text"] in steps[2 * i + 1]["observation"]  # ... and read_page showed all of it
+        if e["truncations"]:
+            rebuilt = next(s for s in steps if s["segment"] == 1)
+            written = [s["code"].split('"')[1] for s in steps[: steps.index(rebuilt)] if "notepad.facts" in s["code"]]
+            assert written and all(f"- {f}" in tok.decode(rebuilt["context_ids"]) for f in written), e
+    assert any(e["truncations"] for e in eps if e["task"]["meta"]["hops"] == 3)
     (tmp_path / "qa.jsonl").write_text('{"question": "Who wrote it?", "answer": "Someone"}\n')
     args = ["rollout.py", "--expert", "--data", str(tmp_path / "qa.jsonl"), "--out", str(tmp_path)]
     p = subprocess.run([sys.executable, *args], cwd=root, capture_output=True, text=True, timeout=120)
@@ -191,3 +232,49 @@ def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
 def test_expert_of_a_file_task_submits_its_first_gold_answer_in_one_step():
     task = Task("f1", "Say a word.", ["grape", "apple"], {"benchmark": "file"})
     assert expert_actions(task) == ['<think>The answer is grape.</think>\n<code>submit_final_answer("grape")</code>']
+
+
+def test_the_long_expert_reads_each_page_notes_what_it_needs_and_computes_the_answer(w):
+    """Where snippets cut the pages (tools.snippet_chars=40), each page is searched, then read by its ref, and the
+    sentence needed goes into the notepad in the next search's cell; the last cell computes the answer. Its cells,
+    run in order with stand-ins for the tools, read the support pages in order, keep every needed sentence in the
+    notepad (but the last, used at once) and submit a gold answer: 5 steps for 2 pages, 7 for 3."""
+    from l0_min.sandbox.toolbox.notepad import Notepad
+
+    docs, steps = _doc(w), collections.Counter()
+    for t in w.tasks:
+        if t.meta["kind"] == "lookup":
+            continue
+        actions, searched, read, submitted = expert_actions(t, snippet_chars=40), [], [], []
+        scope = {"web_search": searched.append, "read_page": lambda ref: read.append(ref) or docs[ref]["text"],
+                 "notepad": Notepad(), "submit_final_answer": submitted.append, "print": lambda *a: None}
+        for action in actions:
+            assert re.fullmatch(r"<think>[^<>]{10,}</think>\n<code>(?s:.+)</code>", action), action
+            exec(action.split("<code>")[1].removesuffix("</code>"), scope)
+        pages = t.meta["support"]
+        assert len(actions) == 2 * len(pages) + 1 and read == pages and searched == [docs[p]["title"] for p in pages]
+        assert scope["notepad"].facts == [" ".join(s for d, s in t.meta["evidence"] if d == p) for p in pages[:-1]]
+        assert len(submitted) == 1 and exact_match(str(submitted[0]), t.answers), (t.question, submitted, t.answers)
+        steps[len(actions)] += 1
+    assert set(steps) == {5, 7}
+
+
+def test_the_expert_reads_pages_only_where_search_results_cut_them():
+    """The form follows tools.snippet_chars: configs/cpu_demo.yaml's results show whole pages, so its expert is the
+    two-step one, as before, for every task of the demo; configs/cpu_long.yaml's show 40 characters, so every long
+    task of its held-out evaluation (64 QA, 64 files) is read page by page; a lookup there would take 3 steps."""
+    from l0_min import config
+    from l0_min.envs import load_sources
+    from l0_min.envs.files import LONG_KINDS
+
+    configs = world.Path(__file__).parents[1] / "configs"
+    demo = config.resolve(config_file=configs / "cpu_demo.yaml")
+    (train,), _, envs = load_sources(demo.data.train, demo)
+    (held,), _, _ = load_sources(demo.data.eval, demo)
+    assert len(train) + len(held) == 396
+    assert all(envs["qa"].expert(t) == expert_actions(t) and len(expert_actions(t)) == 2 for t in train + held)
+    long = config.resolve(config_file=configs / "cpu_long.yaml")
+    (qa, files), _, envs = load_sources(long.data.eval, long, limit=long.data.eval_limit)
+    assert len(qa) == len(files) == 64 and {t.meta["kind"] for t in files} == set(LONG_KINDS)
+    assert all(len(envs["qa"].expert(t)) == 2 * t.meta["hops"] + 1 for t in qa)
+    assert [a.count("read_page(") for a in expert_actions(train[0], snippet_chars=40)] == [0, 1, 0]

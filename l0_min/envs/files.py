@@ -8,6 +8,16 @@ The question needs code over them; the answer is graded exactly (numbers by `env
     where    Which file defines the function max_quota?                      (a path: src/shop/billing.py)
     returns  What number does the function max_quota() in src/ return?
 
+The long kinds name no file: the expert lists the files, opens them, computes over them all, then submits (4 or 5
+steps).
+Their workspaces also hold data/users.csv (each log user's team). A run gets them only where it names one, in
+data.synthetic_kinds or a source's kinds (ids "files<seed>-L0001"): the short kinds' tasks and configs stay as
+they were.
+
+    most_lines      Which user has the most ERROR lines across all logs?           (a user: carol)
+    largest_return  Which function in src/ returns the largest number?            (a function: max_quota)
+    joined_count    How many WARN lines across all logs are from users of the otter team?   (logs joined with users.csv)
+
     env = make_env(cfg)
     env.tasks("synthetic:train")   # data.synthetic_seed / _tasks / _heldout / _kinds; or "synthetic:heldout"
     env.files(task)                # {relative path: text}, 5 to 10 KB
@@ -22,6 +32,7 @@ stored: trajectories and a task's meta stay small.
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import random
@@ -32,6 +43,8 @@ from l0_min.envs import TaskEnvBase
 from l0_min.episode import Episode, Task
 
 KINDS = ("count", "sum", "where", "returns")
+LONG_KINDS = ("most_lines", "largest_return", "joined_count")
+TEAMS = ("falcon", "otter", "lynx")  # data/users.csv of a long task's workspace: each log user's team
 LOGS = ("app", "worker", "api", "auth")
 LOG_FIELDS = {  # every value is one space-separated word of a line, and in one field only
     "level": (("INFO", "WARN", "ERROR", "DEBUG"), (6, 2, 2, 1)),
@@ -118,12 +131,41 @@ def _source_tree(rng: random.Random) -> tuple[dict[str, str], dict[str, str], di
     return files, where, value
 
 
+def _long(rng: random.Random, files: dict[str, str], log_rows: dict[str, list[dict]], value: dict[str, int]):
+    """A long task over `files` (+ data/users.csv): the first kind, in random order, whose answer is unique."""
+    teams = {u: rng.choice(TEAMS) for u in LOG_FIELDS["user"][0]}
+    files["data/users.csv"] = "user,team\n" + "".join(f"{u},{t}\n" for u, t in teams.items())
+    lines = [r for rows in log_rows.values() for r in rows]
+    for kind in rng.sample(LONG_KINDS, len(LONG_KINDS)):
+        if kind == "most_lines":
+            level = rng.choice(LOG_FIELDS["level"][0][:3])
+            counts = collections.Counter(r["user"] for r in lines if r["level"] == level).most_common(2)
+            (user, n), (_, second) = (counts + [("", 0)] * 2)[:2]
+            if n > second:
+                return kind, f"Which user has the most {level} lines across all logs?", user, {"level": level}
+        elif kind == "largest_return":
+            (top, n), (_, second) = sorted(value.items(), key=lambda kv: -kv[1])[:2]
+            if second < n:
+                return kind, "Which function in src/ returns the largest number?", top, {}
+        else:  # a level and a team of one line: at least one line counts
+            r = rng.choice(lines)
+            team, level = teams[r["user"]], r["level"]
+            n = sum(x["level"] == level and teams[x["user"]] == team for x in lines)
+            return (kind, f"How many {level} lines across all logs are from users of the {team} team?", n,
+                    {"level": level, "team": team})
+    raise AssertionError("joined_count always has an answer")
+
+
 @functools.lru_cache(maxsize=256)
 def _generate(task_id: str) -> tuple[dict[str, str], str, str, str, dict]:
     """The task's workspace, kind, question, gold answer and meta: a function of the id alone."""
     rng = random.Random(f"l0-files-{task_id}")
     (logs, log_rows), (tables, table_rows) = _logs(rng), _tables(rng)
     src, where, value = _source_tree(rng)
+    if task_id.rsplit("-", 1)[-1].startswith("L"):  # a long task: the same generators, then its own question
+        files = logs | tables | src
+        kind, question, gold, meta = _long(rng, files, log_rows, value)
+        return files, kind, question, str(gold), meta
     kind = rng.choice(KINDS)
     if kind == "count":
         path = rng.choice(sorted(logs))
@@ -158,11 +200,12 @@ def _question(task_id: str) -> tuple[str, str, str, dict]:  # a task without its
     return _generate(task_id)[1:]
 
 
-def make_tasks(seed: int, n_tasks: int) -> list[Task]:
-    """`n_tasks` tasks "files<seed>-0000", ...; the first k do not depend on n_tasks."""
+def make_tasks(seed: int, n_tasks: int, long: bool = False) -> list[Task]:
+    """`n_tasks` tasks "files<seed>-0000", ... (long: of the long kinds, "files<seed>-L0000", ...); the first k do
+    not depend on n_tasks."""
     tasks = []
     for i in range(n_tasks):
-        kind, question, gold, meta = _question(task_id := f"files{seed}-{i:04d}")
+        kind, question, gold, meta = _question(task_id := f"files{seed}-{'L' * long}{i:04d}")
         tasks.append(Task(task_id, question, [gold], {"kind": kind, "seed": seed, "source": "files"} | meta))
     return tasks
 
@@ -204,6 +247,8 @@ def expert_actions(task: Task) -> list[str]:
     submit_final_answer(str(min_timeout()))</code>
     """
     m = task.meta
+    if m["kind"] in LONG_KINDS:
+        return long_expert_actions(task)
     if m["kind"] == "count":
         terms, test = (" and ".join(f'" {t} "{s}' for t in m["terms"]) for s in ("", " in line"))
         think = f"I count the lines of {m['file']} that contain {terms}, and submit the count."
@@ -221,6 +266,52 @@ def expert_actions(task: Task) -> list[str]:
         code = find + ("submit_final_answer(path)" if m["kind"] == "where"
                        else f"exec(open(path).read())\nsubmit_final_answer(str({f}()))")
     return [f"<think>{think}</think>\n<code>{code}</code>"]
+
+
+def long_expert_actions(task: Task) -> list[str]:
+    """A long task step by step: list the files, open them (the logs as lists of words; the modules run), compute
+    and print, submit; the join reads data/users.csv in a step of its own (4 steps; the join 5).
+
+    >>> for a in long_expert_actions(make_tasks(0, 1, long=True)[0]): print(a)
+    <think>I list the files.</think>
+    <code>import glob
+    print(sorted(glob.glob("*/*")))</code>
+    <think>I read the lines of every log as lists of words.</think>
+    <code>lines = [line.split() for p in glob.glob("logs/*.log") for line in open(p)]
+    print(len(lines), lines[0])</code>
+    <think>The user is word 3, the level word 2. I count the INFO lines of each user.</think>
+    <code>from collections import Counter
+    c = Counter(w[3] for w in lines if w[2] == "INFO")
+    print(c.most_common(3))</code>
+    <think>bob has the most INFO lines. I submit bob.</think>
+    <code>submit_final_answer(c.most_common(1)[0][0])</code>
+    """
+    m, gold = task.meta, task.answers[0]
+    listing = ("I list the files.", 'import glob\nprint(sorted(glob.glob("*/*")))')
+    logs = ("I read the lines of every log as lists of words.", 'lines = [line.split() for p in glob.glob("logs/*.log") '
+            "for line in open(p)]\nprint(len(lines), lines[0])")
+    if m["kind"] == "most_lines":
+        steps = [listing, logs,
+                 (f"The user is word 3, the level word 2. I count the {m['level']} lines of each user.",
+                  f'from collections import Counter\nc = Counter(w[3] for w in lines if w[2] == "{m["level"]}")\n'
+                  "print(c.most_common(3))"),
+                 (f"{gold} has the most {m['level']} lines. I submit {gold}.", "submit_final_answer(c.most_common(1)[0][0])")]
+    elif m["kind"] == "largest_return":
+        steps = [("I list the modules under src.", 'import glob\nprint(sorted(glob.glob("src/*/*.py")))'),
+                 ("I run each module but __init__ and keep its functions.", 'fns = {}\nfor p in glob.glob('
+                  '"src/*/[!_]*.py"):\n    ns = {}\n    exec(open(p).read(), ns)\n    fns |= ns\nprint(list(fns))'),
+                 ("I call each function without arguments and find the largest number.", "vals = {k: f() for k, f in "
+                  "fns.items() if callable(f) and not f.__code__.co_argcount}\ntop = max(vals, key=vals.get)\n"
+                  "print(top, vals[top])"),
+                 (f"{gold} returns the largest number. I submit {gold}.", "submit_final_answer(top)")]
+    else:
+        steps = [listing, logs,
+                 ("I read each user's team from data/users.csv.", 'import csv\nteam = {r["user"]: r["team"] for r in '
+                  'csv.DictReader(open("data/users.csv"))}\nprint(team)'),
+                 (f"I count the {m['level']} lines of users in the {m['team']} team.",
+                  f'n = sum(1 for w in lines if w[2] == "{m["level"]}" and team[w[3]] == "{m["team"]}")\nprint(n)'),
+                 (f"The count is {gold}. I submit it.", "submit_final_answer(str(n))")]
+    return [f"<think>{think}</think>\n<code>{code}</code>" for think, code in steps]
 
 
 # ------------------------------------------------------------------------------- the environment
@@ -249,6 +340,8 @@ class Files(TaskEnvBase):
         if name != "synthetic" or part not in ("", "train", "heldout"):
             raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
         tasks = make_tasks(d.synthetic_seed, d.synthetic_tasks)
+        if set(LONG_KINDS) & set(d.synthetic_kinds).union(*(s.kinds for s in d.train + d.eval)):
+            tasks += make_tasks(d.synthetic_seed, d.synthetic_tasks, long=True)  # named by the run: see above
         if part:
             tasks = split(tasks, d.synthetic_heldout)[part == "heldout"]
         return [t for t in tasks if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
@@ -259,8 +352,8 @@ class Files(TaskEnvBase):
     def score(self, ep: Episode) -> dict[str, float]:
         """0.9 * correct + 0.1 * answered (reward.em_weight, has_answer_weight); a path by `normalize_path`."""
         r, pred, gold = self.cfg.reward, ep.final_answer, ep.task.answers[0]
-        if ep.task.meta["kind"] == "where":
-            correct = float(pred is not None and normalize_path(pred) == normalize_path(gold))
+        if ep.task.meta["kind"] in ("where", "most_lines", "largest_return"):  # a path or a name ("top()" too)
+            correct = float(pred is not None and normalize_path(pred).removesuffix("()") == normalize_path(gold))
         else:
             correct = float(numbers_equal(pred, gold))
         return {"core": answer_reward(pred, correct, r.em_weight, r.has_answer_weight), "correct": correct}

@@ -245,10 +245,10 @@ def _templates(rng: random.Random, people, cities, orgs, pages) -> dict[str, lis
     def years(question, n, evidence, operands):
         return question, _num_answers(n, "years"), evidence, operands
 
-    def compare(question, a, b, va, vb, fact, larger):
+    def compare(question, a, b, va, vb, fact, larger, via=()):  # via: the evidence that leads to `a`
         if va == vb:
             return None
-        return question, [(a if (va > vb) == larger else b).name], [ev(a, fact), ev(b, fact)], [va, vb]
+        return question, [(a if (va > vb) == larger else b).name], [*via, ev(a, fact), ev(b, fact)], [va, vb]
 
     def birth_date(p):
         y, m, d = p.birth
@@ -331,17 +331,40 @@ def _templates(rng: random.Random, people, cities, orgs, pages) -> dict[str, lis
                 f"Which has more employees, the {a.name} or the {b.name}?", a, b, a.employees, b.employees,
                 "employees", True)),
         ],
+        # 3-hop variants of the two-page kinds: the first entity is named only through an organisation's founder
+        # or headquarters (make_world draws them in a random stream of their own)
+        "arithmetic3": [
+            ("years_city_to_founder_birth", lambda: (rng.choice(orgs), rng.choice(cities)),
+             lambda o, c: years(f"How many years after {c.name} was founded was the founder of the {o.name} born?",
+                                o.founder.birth[0] - c.founded, [ev(o, "founded"), ev(o.founder, "born"),
+                                                                 ev(c, "founded")], [c.founded, o.founder.birth[0]])),
+            ("years_birthplace_to_org", one(orgs),
+             lambda o: years(f"How many years after the birthplace of the founder of the {o.name} was founded was the "
+                             f"{o.name} founded?", o.founded - o.founder.city.founded,
+                             [ev(o, "founded"), ev(o.founder, "intro"), ev(o.founder.city, "founded")],
+                             [o.founder.city.founded, o.founded])),
+        ],
+        "comparison3": [
+            ("founder_born_first", lambda: (rng.choice(orgs), rng.choice(people)), lambda o, p: None if p is o.founder
+             else compare(f"Who was born first, the founder of the {o.name} or {p.name}?", o.founder, p,
+                          list(o.founder.birth), list(p.birth), "intro", False, [ev(o, "founded")])),
+            ("larger_hq_city", lambda: (rng.choice(orgs), rng.choice(cities)), lambda o, c: None if c is o.city
+             else compare(f"Which city has the larger population, the city where the {o.name} is headquartered or "
+                          f"{c.name}?", o.city, c, o.city.population, c.population, "population", True, [ev(o, "hq")])),
+        ],
     }
 
 
 KIND_WEIGHTS = {"lookup": 0.45, "multihop": 0.25, "arithmetic": 0.15, "comparison": 0.15}
+THREE_HOP_SHARE = 1 / 3  # of arithmetic and comparison tasks: 3-hop variants (multihop has 3-hop templates of its own)
 
 
 def make_world(seed: int = 0, n_entities: int = 60, n_tasks: int | None = None) -> World:
     """A deterministic world: `n_entities` pages and `n_tasks` distinct questions (default 4 per entity).
 
-    Question kinds are drawn with `KIND_WEIGHTS` (45% one-page lookups). Raises ValueError when the
-    world is too small for that many distinct questions.
+    Question kinds are drawn with `KIND_WEIGHTS` (45% one-page lookups); a `THREE_HOP_SHARE` of arithmetic and
+    comparison questions are replaced by a 3-hop variant drawn from a random stream of its own, so every other
+    question keeps its place and id. Raises ValueError when the world is too small for that many distinct questions.
     """
     people, cities, orgs = _make_entities(seed, n_entities)
     pages = _pages(people, cities, orgs)
@@ -349,6 +372,8 @@ def make_world(seed: int = 0, n_entities: int = 60, n_tasks: int | None = None) 
     n_tasks = 4 * n_entities if n_tasks is None else n_tasks
     rng = random.Random(f"l0-world-questions-{seed}")
     templates = _templates(rng, people, cities, orgs, pages)
+    rng3 = random.Random(f"l0-world-3hop-{seed}")
+    variants = _templates(rng3, people, cities, orgs, pages)
     kinds, weights = zip(*KIND_WEIGHTS.items())
     tasks: list[Task] = []
     seen: set[str] = set()
@@ -365,6 +390,11 @@ def make_world(seed: int = 0, n_entities: int = 60, n_tasks: int | None = None) 
             continue
         question, answers, evidence, *operands = made
         seen.add(question)
+        if f"{kind}3" in variants and rng3.random() < THREE_HOP_SHARE:  # its 3-hop variant instead, if that is new
+            name, draw3, make3 = rng3.choice(variants[f"{kind}3"])
+            if (made3 := make3(*draw3())) is not None and made3[0] not in seen:
+                template, (question, answers, evidence, *operands) = name, made3
+                seen.add(question)
         support = list(dict.fromkeys(doc for doc, _ in evidence))
         meta = {"kind": kind, "hops": len(support), "template": template, "support": support,
                 "evidence": evidence, "seed": seed, "n_entities": n_entities, "source": "world"}
@@ -378,11 +408,11 @@ def make_world(seed: int = 0, n_entities: int = 60, n_tasks: int | None = None) 
 
 
 @functools.lru_cache(maxsize=8)
-def _titles(seed: int, n_entities: int) -> dict[str, str]:
-    return {d["id"]: d["title"] for d in make_world(seed, n_entities, n_tasks=0).corpus}
+def _docs(seed: int, n_entities: int) -> dict[str, dict]:
+    return {d["id"]: d for d in _world_corpus(seed, n_entities)}
 
 
-def expert_actions(task: Task) -> list[str]:
+def expert_actions(task: Task, snippet_chars: int | None = None) -> list[str]:
     """The actions of a scripted solver for a world task: search each support page by its title (the
     sentences just read go into the next <think>), then compute the answer in code and submit it. A task
     from a file (no world pages) gets one step that submits its first gold answer.
@@ -395,21 +425,53 @@ def expert_actions(task: Task) -> list[str]:
     <code>print(web_search("Zesten Mills"))</code>
     <think>The Zesten Mills was founded in 1914 by Berir Fothes.</think>
     <code>submit_final_answer(str(1914 - 1898))</code>
+
+    That form needs the search results to show whole pages. Where a result's snippet (the first `snippet_chars`
+    characters of the page: tools.snippet_chars) leaves out a sentence the task needs, each page takes two steps:
+    search, then read the page by its ref; the next search's cell first writes the sentence it needed into the
+    notepad, which a context rebuild keeps; the last cell computes the answer in code. 2 pages: 5 steps; 3 pages: 7.
+
+    >>> t = next(t for t in make_world(0, 30).tasks if t.meta["template"] == "older_org")
+    >>> for a in expert_actions(t, snippet_chars=40): print(a)
+    <think>I search for Stotrem Museum of Art.</think>
+    <code>print(web_search("Stotrem Museum of Art"))</code>
+    <think>I read the page of Stotrem Museum of Art.</think>
+    <code>print(read_page("stotrem-museum-of-art"))</code>
+    <think>I note it and search for Stefu Glassworks.</think>
+    <code>notepad.facts.append("The Stotrem Museum of Art was founded in 1994 by Gostond Postas.")
+    print(web_search("Stefu Glassworks"))</code>
+    <think>I read the page of Stefu Glassworks.</think>
+    <code>print(read_page("stefu-glassworks"))</code>
+    <think>I compute the answer from the notepad and this page.</think>
+    <code>submit_final_answer("Stotrem Museum of Art" if 1994 < 1839 else "Stefu Glassworks")</code>
     """
     m = task.meta
     if "support" not in m:  # a task from a file: no pages to read; the expert shows the format and the gold answer
         return [f"<think>The answer is {task.answers[0]}.</think>\n<code>submit_final_answer({json.dumps(task.answers[0])})</code>"]
-    pages = [_titles(m["seed"], m["n_entities"])[p] for p in m["support"]]
+    docs = _docs(m["seed"], m["n_entities"])
+    pages = [docs[p]["title"] for p in m["support"]]
     read = [" ".join(s for p, s in m["evidence"] if p == page) for page in m["support"]]
-    actions = [f'<think>I search for {pages[0]}.</think>\n<code>print(web_search("{pages[0]}"))</code>']
-    for seen, page in zip(read, pages[1:]):
-        actions.append(f'<think>{seen} Next I search for {page}.</think>\n<code>print(web_search("{page}"))</code>')
     answer = json.dumps(next((a for a in task.answers if a in " ".join(read)), task.answers[0]))  # as written there
     if m["kind"] == "arithmetic":  # the expression over the looked-up numbers that gives the gold number
         a, b = m["operands"]
         sums = {f"{a} + {b}": a + b, f"{b} - {a}": b - a, f"{a} - {b}": a - b}
         answer = next(f"str({e})" for e, value in sums.items() if str(value) in task.answers)
-    return actions + [f"<think>{read[-1]}</think>\n<code>submit_final_answer({answer})</code>"]
+    if snippet_chars is None or all(s in docs[p]["text"][:snippet_chars] for p, s in m["evidence"]):
+        actions = [f'<think>I search for {pages[0]}.</think>\n<code>print(web_search("{pages[0]}"))</code>']
+        for seen, page in zip(read, pages[1:]):
+            actions.append(f'<think>{seen} Next I search for {page}.</think>\n<code>print(web_search("{page}"))</code>')
+        return actions + [f"<think>{read[-1]}</think>\n<code>submit_final_answer({answer})</code>"]
+    if m["kind"] == "comparison":  # the two pages compared are the last two; the operator gives the gold one
+        (a, b), (x, y) = m["operands"], pages[-2:]
+        answer = f'"{x}" if {a} {"<" if (a < b) == (task.answers[0] == x) else ">"} {b} else "{y}"'
+    actions, note = [], ""
+    for page, ref, fact in zip(pages, m["support"], read):
+        actions += [f"<think>I {'note it and ' * bool(note)}search for {page}.</think>\n"
+                    f'<code>{note}print(web_search("{page}"))</code>',
+                    f'<think>I read the page of {page}.</think>\n<code>print(read_page("{ref}"))</code>']
+        note = f"notepad.facts.append({json.dumps(fact)})\n"
+    return actions + [f"<think>I compute the answer from the notepad and this page.</think>\n"
+                      f"<code>submit_final_answer({answer})</code>"]  # the last page's sentence is used at once
 
 
 # ------------------------------------ the official scores (hotpot_evaluate_v1.py / SQuAD v1.1)
@@ -696,7 +758,7 @@ class QA(TaskEnvBase):
         return paper_table(summaries)
 
     def expert(self, task: Task) -> list[str]:
-        return expert_actions(task)
+        return expert_actions(task, self.cfg.tools.snippet_chars)
 
     def corpus(self, tasks: list[Task]) -> list[dict]:
         """tools.corpus (a corpus file: l0_min.search's bm25 indexes it) if set, else the tasks' own paragraphs."""
