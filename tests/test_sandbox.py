@@ -298,3 +298,18 @@ def test_user_namespace_mode_limits_processes_per_sandbox(monkeypatch):
     # here the sandbox user owns the sandbox's own folders: read-only mounts, not permissions, protect them
     ro = {p: "EROFS" for p in ["/x", "/etc/x", "/dev/x", "/run/x"]}
     assert results[0]["writes"] == {**ro, "/workspace/x": "ok", "/tmp/x": "ok", "/dev/shm/x": "ok"}
+
+
+def test_a_removed_cgroup_reads_as_empty_and_not_killed():
+    """The memory watcher reads each sandbox's cgroup off the event loop; the sandbox may be gone by then (its
+    cgroup removed between the watcher's snapshot and its read). Before: IndexError ended the watcher's task."""
+    import asyncio
+
+    from l0_min.sandbox import cgroup
+
+    if isinstance(how := cgroup.shared(), str):
+        pytest.skip(f"no cgroup on this machine: {how}")
+    c = cgroup.Cgroup(f"l0_min-{os.getpid()}-ktest", 64, 16)
+    assert c.held() >= 0 and c.oom() == ""
+    asyncio.run(c.remove())
+    assert c.dirs == [] and c.held() == 0 and c.oom() == ""

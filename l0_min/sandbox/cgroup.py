@@ -145,18 +145,18 @@ class Cgroup:
     def oom(self) -> str:
         """'limit' if the OOM killer struck at the sandbox's own limit; 'all' at the limit of all sandboxes, its peak
         the largest of theirs; 'host' otherwise; '' if it did not strike."""
-        d, parent = self.dirs[0], os.path.dirname(self.dirs[0])  # v1: the memory hierarchy
         try:
+            d, parent = self.dirs[0], os.path.dirname(self.dirs[0])  # v1: the memory hierarchy
             (kills, at_limit), others = _struck(d, self.version, self.limit), glob.glob(f"{parent}/l0_min-*/")
             most = kills and not at_limit and _peak(d, self.version) >= max(_peak(o, self.version) for o in others)
             all_at_limit = most and _struck(parent, self.version, self.shared_mb << 20)[1]
-        except (OSError, KeyError, ValueError):
+        except (OSError, LookupError, ValueError):  # removed (no dirs left), or its files gone
             return ""
         return "" if not kills else "limit" if at_limit else "all" if all_at_limit else "host"
 
     def held(self) -> int:
         """Bytes the sandbox holds that the kernel cannot reclaim: anonymous and shared memory (memfds, tmpfs)."""
-        with contextlib.suppress(OSError, KeyError):  # removed: the sandbox is gone
+        with contextlib.suppress(OSError, LookupError):  # removed (no dirs left, or its files gone): it is gone
             stat = dict(line.split() for line in _read(f"{self.dirs[0]}/memory.stat").splitlines())
             return int(stat["anon" if self.version == 2 else "rss"]) + int(stat["shmem"])
         return 0
