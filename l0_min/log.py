@@ -11,10 +11,8 @@ A run folder (`RunDir`) looks like this:
       viewer.html                 l0_min.viewer.write_viewer(run folder): browse the trajectories
       viewer.json                 which trajectories files viewer.html holds (it is appended to, step by step)
 
-`batch_metrics(episodes)` turns one step's episodes into flat named numbers; `MetricsLogger` appends
-them to metrics.jsonl (and to TensorBoard / Weights & Biases when asked for and installed);
-`format_step_row` is the one-line-per-step table that train.py prints under `step_header`. `log_step` is
-rank 0's whole per-step record in train.py; its cost is the step's, not the run's (bench/step_logging.py).
+`batch_metrics` turns one step's episodes into flat named numbers, `MetricsLogger` appends them to metrics.jsonl
+(and TensorBoard / Weights & Biases), `format_step_row` prints them; `log_step` is rank 0's whole per-step record.
 """
 
 from __future__ import annotations
@@ -117,27 +115,9 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
-    """Flat, named statistics of one RL step's episodes (pure: no I/O, no clock).
-
-    Rewards are means over the episodes that train (not `masked`), a component over those that report
-    it; everything else counts all episodes, masked ones included: failures are what those are for.
-
-    keys:
-      episodes, masked                        counts
-      reward, reward/core, reward/format,     means over non-masked episodes (None if all masked)
-        reward/exec, reward/em, reward/f1, ... (every numeric key found in Episode.rewards)
-      env/<env>/reward, env/<env>/<metric>    the same per environment, when the episodes are of several
-                                              (`envs`: name -> TaskEnv, for their metrics' names)
-      status/<status>                         count per status (every known status, zeros included)
-      answered_rate                           status == "answered" / episodes
-      steps_per_ep/mean, steps_per_ep/max     agent steps per episode
-      tokens_per_ep/mean, tokens_per_ep/max   sampled action tokens per episode
-      tools/<tool>                            sum of Episode.tool_calls
-      exec_steps                              steps that ran code (exec_ok is not None)
-      exec_error_rate                         steps with exec_ok False / exec_steps (None if 0)
-      truncations                             sum of context rebuilds
-      resample/k<k>/episodes, /solved         episodes started from k expert steps, and how many of them solved it
-      weight_versions                         sorted distinct policy versions of episodes and steps
+    """Flat, named statistics of one RL step's episodes (pure). Rewards ("reward", "reward/<key>" of every number
+    in Episode.rewards; per environment "env/<env>/..." when there are several) are means over the episodes that
+    train (not `masked`); everything else counts all episodes, masked ones included: failures are what those are for.
 
     >>> from l0_min.episode import Step, Task
     >>> ep = Episode(Task("t", "q", ["a"]), [Step([], [1, 2], [0, 0], exec_ok=False)], status="answered",
@@ -219,12 +199,8 @@ def _jsonable(v):
 
 
 class MetricsLogger:
-    """Append one JSON line per step to metrics.jsonl, and mirror the numbers to optional sinks.
-
-    metrics.jsonl is always written and is the source of truth. TensorBoard (cfg.tensorboard, needs
-    the `tensorboard` package) and Weights & Biases (cfg.wandb, needs `wandb`) get the numeric values
-    only; a sink that is asked for but cannot start prints one warning line and is skipped.
-    """
+    """Append one JSON line per step to metrics.jsonl (the source of truth), and mirror the numbers to TensorBoard
+    and Weights & Biases where asked for; a sink that cannot start prints one warning line and is skipped."""
 
     def __init__(self, run_dir: RunDir | str | Path, cfg=None, config: dict | None = None):
         from l0_min.config import LogConfig
@@ -289,7 +265,6 @@ def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episo
     """Rank 0's record of one RL step (train.py): its metrics, its trajectories file, its row of the table
     (`table`: the training environments' names and the environments, as for `step_header`), the plot and
     the viewer (appended to: l0_min.viewer)."""
-
     logger.log(step, metrics)
     run.write_trajectories(step, episodes)
     print(format_step_row(step, metrics, *table), flush=True)
