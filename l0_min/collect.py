@@ -182,11 +182,8 @@ def _score(ep: Episode, cfg, env: TaskEnv) -> None:
 
 async def run_tasks(svc: Services, tasks: list[Task], n_samples: int = 1,
                     on_episode: Callable[[Episode], Awaitable[None] | None] | None = None) -> list[Episode]:
-    """Every task `n_samples` times (no filtering, no dropping): rollout.py and evaluate.py.
-
-    `on_episode` is called as each episode finishes (write it out, update a progress line).
-    Episodes are returned in task order.
-    """
+    """Every task `n_samples` times (no filtering, no dropping), in task order; `on_episode` is called as each
+    episode finishes. rollout.py and evaluate.py."""
 
     async def one(i: int, task: Task, s: int) -> Episode:
         ep = await run_one(svc, task, i, s)
@@ -210,8 +207,6 @@ async def _cancel(jobs) -> None:
 
 
 # ----------------------------------------------------------------------------- training batches
-
-
 class TaskStream:
     """An endless, seeded, resumable order over the training tasks of one or several sources: each draw
     picks a source by its weight, then that source's next task (a fresh shuffle each epoch of it).
@@ -351,11 +346,9 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
 
 
 class Batches:
-    """Training batches from `stream`, one after another. With `ahead` = k >= 1 a producer collects up
-    to k batches before they are asked for (rollout/training overlap: the episodes of step t+1 run while
-    the learner trains step t), and `next(version)` drops episodes whose actions are more than k weight
-    versions older than the learner's (`drop_stale`); with 0 a batch is collected when asked for (strictly
-    on-policy)."""
+    """Training batches from `stream`. With `ahead` = k >= 1 a producer collects up to k batches ahead (step t+1's
+    episodes run while the learner trains step t) and `next(version)` drops episodes more than k weight versions
+    old (`drop_stale`); with 0 a batch is collected when asked for (strictly on-policy)."""
 
     def __init__(self, svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool):
         self.collect = lambda: collect_batch(svc, stream, rc, dynamic_sampling)
@@ -390,9 +383,8 @@ class Batches:
 
 
 def drop_stale(episodes: list[Episode], version: int, max_lag: int) -> tuple[list[Episode], dict]:
-    """Keep the episodes whose every action came from weights at most `max_lag` updates older than
-    `version` (the learner's, about to train on them); the stats count the dropped episodes and the
-    action tokens by lag. A weight version that is not a number ("default") is the base model, 0.
+    """The episodes whose every action came from weights at most `max_lag` updates older than `version`, and stats
+    (dropped episodes, action tokens by lag). A weight version that is not a number ("default") is 0.
 
     >>> from l0_min.episode import Step
     >>> ep = lambda *vs: Episode(Task("t", "q", []), [Step([], [1, 2], [0, 0], weight_version=v) for v in vs])

@@ -3,13 +3,10 @@ gzipped too), by name from $L0_MIN_DATA / data.data_dir or the Hugging Face hub,
 
     load_tasks("hotpotqa"), load_tasks("path/to/dev.jsonl"), load_benchmark("bamboogle", "test.csv", limit=10)
 
-Layouts: simpleqa (metadata, problem, answer), qa (HotpotQA, 2Wiki: question, answer [, context ...]), musique,
-csv_qa (Bamboogle: Question, Answer), gsm8k (question, answer ending "#### <number>": the gold; env math),
-answers (NQ-open: answer(s) as aliases), triviaqa (nested or HF's flat form), flashrag (id, question,
-golden_answers [, data_source]). Aliases joined with `<|answer_split|>` are split; a row's `data_source` becomes
-its `meta["benchmark"]` (the canonical name: ALIASES), to score per source. A malformed or non-UTF-8 row raises
-`DataError` naming file and 1-based row; with `skip_bad_rows=True` it is skipped, logged and counted (`Tasks`'
-`.skipped`, `.errors`). Ids come from the row (`_id`, `id`, `idx`, `QuestionId`, `question_id`), else
+Layouts (`detect_layout`): simpleqa, qa (HotpotQA, 2Wiki), musique, csv_qa (Bamboogle), gsm8k, answers (NQ-open),
+triviaqa, flashrag. Aliases joined with `<|answer_split|>` are split; a row's `data_source` becomes its
+`meta["benchmark"]` (canonical name: ALIASES). A malformed or non-UTF-8 row raises `DataError` naming file and row;
+with `skip_bad_rows=True` it is skipped and counted (`Tasks`' `.skipped`, `.errors`). Ids come from the row, else
 `<file stem>:<row>`. Synthetic tasks come from each environment's own generator.
 """
 

@@ -4,14 +4,11 @@ one code path drives SGLang on GPUs, an sglang-router, or the embedded CPU serve
     client = InferenceClient(["http://127.0.0.1:30000"], cfg.inference, max_connections=64)
     await client.wait_ready()                    # SGLang takes minutes to load: 503 until then
     gen = await client.generate(context_ids, {"max_new_tokens": 512, "temperature": 1.0, "stop": ["</code>"]})
-    await client.update_weights_from_disk("/abs/runs/x/weights/step_3", weight_version="3")
 
-Token-in/token-out: requests send `input_ids` with `return_logprob`, `no_stop_trim`, `skip_special_tokens=False`:
-the returned ids are all the sampled ids. An episode's requests (`episode_key`; X-SMG-Routing-Key through a
-router) go to one server, first the one with the fewest in flight; weight updates go to `inference.worker_urls`.
-Connection errors, timeouts and 5xx are retried with backoff until `down_after` seconds of outage (then
-InferenceError); a 4xx raises BadRequestError at once; a weight update is never re-sent: when its answer is lost,
-the worker's version is polled until it reports the new one.
+Requests send `input_ids` with `return_logprob`, `no_stop_trim`, `skip_special_tokens=False`: the returned ids are
+all the sampled ids. An episode's requests (`episode_key`) go to one server. Connection errors, timeouts and 5xx are
+retried until `down_after` seconds of outage; a 4xx raises BadRequestError at once; a weight update is never
+re-sent: when its answer is lost, the worker's version is polled until it reports the new one.
 """
 
 from __future__ import annotations

@@ -1,21 +1,12 @@
-"""The FSDP2 learner: shard a Hugging Face causal LM, take on-policy steps, export, checkpoint.
+"""The FSDP2 learner: shard a Hugging Face causal LM, take on-policy steps, export, checkpoint (SPMD: every rank
+runs the same code; `train_step` takes this rank's share of the global batch).
 
-    learner = Learner(model_path, cfg.learner, cfg.algo, total_steps=cfg.run.steps, temperature=T)
-    stats = learner.train_step(my_rows)          # every rank, its share of the global batch
-    learner.export_hf(folder, dtype="bfloat16")  # every rank (collective); rank 0 writes
-    learner.save(ckpt_dir, extra) / learner.load(ckpt_dir)
-
-Each rank runs the same code (SPMD). The model is built on the meta device, `fully_shard` wraps the decoder layers
-(`fsdp_unit` at a time), then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard.
-Micro-batches are packed: rows are concatenated into one sequence of at most `micro_batch_tokens` with position ids
-restarting per row, attention stays within each row (`packed_sdpa`, `packed_varlen`): no padding, no dense mask
-(bench/learner.py: it cost 2x at 4k-token micro-batches). On the varlen path a step reads nothing back from the
-device until its end (shapes are worked out on the host, sums stay on the device; `packed_sdpa` reads each layer's
-row bounds). The GPU speed paths are `apply_*` functions composed in `_build` (torchtitan's style).
-
-Log-probs are those of the distribution the sampler drew from: log_softmax(logits / T) at the sampling
-temperature T (SGLang's default; top-p / top-k truncation is not modelled). The LM head computes them in chunks
-of action positions (`LogProbHead`): no [tokens, vocab] fp32 tensor exists.
+The model is built on the meta device, `fully_shard` wraps `fsdp_unit` decoder layers at a time, then the root; rank 0
+alone reads the checkpoint and broadcasts it. Micro-batches are packed: rows concatenated into one sequence of at most
+`micro_batch_tokens`, attention within each row (`packed_sdpa`, `packed_varlen`): no padding, no dense mask (it cost 2x
+at 4k tokens, bench/learner.py). The GPU speed paths are `apply_*` functions composed in `_build` (torchtitan's style).
+Log-probs are those the sampler drew from, log_softmax(logits / T) (top-p / top-k not modelled), computed by the LM
+head in chunks of action positions (`LogProbHead`): no [tokens, vocab] fp32 tensor exists.
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
     outcome: its "core" in [0, 1] is the answer term, its other scores are kept as metrics.
 
     Step i of n gets format_weight * format_ok_i / n, exec_weight * exec_ok_i / m where it ran code (m such
-    steps), and the last step answer_weight * core, so sum(step.reward) == ep.reward. An episode without steps gets only its answer term; an expert's prefix steps (Step.prefix) are not counted.
+    steps), and the last step answer_weight * core, so sum(step.reward) == ep.reward. An episode without steps gets
+    only its answer term; an expert's prefix steps (Step.prefix) are not counted.
     """
     scores = env.score(ep)
     core = scores.get("core") if isinstance(scores, dict) else None

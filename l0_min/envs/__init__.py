@@ -190,11 +190,9 @@ def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: 
 
 
 class ExpertPolicy:
-    """The environments' experts behind the Policy interface, so expert episodes run through the real agent
-    loop, kernels and tools like sampled ones (their observations are real). An episode's task is found by
-    its id in the episode key the agent sets; its step by the calls made for that episode. Log-probs are 0.
-    With `then` (a policy), an episode's first `steps` actions are the expert's and the rest `then`'s: the
-    episode starts from a known trajectory's state (chunk-initialization resampling, collect.run_one)."""
+    """The environments' experts behind the Policy interface, so expert episodes run through the real agent loop,
+    kernels and tools (log-probs 0). With `then` (a policy), an episode's first `steps` actions are the expert's and
+    the rest `then`'s (chunk-initialization resampling, collect.run_one)."""
 
     def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None,
                  steps: int = 0):  # fmt: skip

@@ -82,19 +82,12 @@ class Sequence:
 
 
 # ------------------------------------------------------------------------------------- sampling
-
-
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of `logits` [B, V]; return (token ids [B], their log-probs [B]).
-
-    Greedy rows take the argmax. Other rows sample from softmax(logits / temperature) restricted to
-    the top_k most likely tokens, the smallest set whose mass reaches top_p, and tokens with at least
-    min_p times the top probability. The log-prob is that of softmax(logits / temperature) in fp32, before
-    that renormalisation (SGLang's default, what the learner computes; greedy rows: of softmax(logits)).
-    Without a restriction a row samples by inverting its fp32 cumulative distribution with one uniform
-    number (torch.multinomial draws one exponential per vocabulary entry).
-    """
+    """(token ids [B], their log-probs [B]) of one token per row of `logits` [B, V]: greedy rows the argmax, others
+    sampled under top_k, top_p and min_p. The log-prob is of softmax(logits / temperature) before that truncation
+    (SGLang's default, what the learner computes). Without truncation a row inverts its fp32 cumulative
+    distribution with one uniform number (torch.multinomial draws one exponential per vocabulary entry)."""
     logits, rows = logits.float(), ~greedy  # below, no pass over B x V (2-4 ms at 64 x 49k) that changes nothing
     t = torch.where(greedy, 1.0, temperature)
     logp = torch.log_softmax(logits if bool((t == 1.0).all()) else logits / t[:, None], dim=-1)
@@ -119,8 +112,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------ the radix cache
-
-
 def _common(a: list[int], b: list[int], start: int, limit: int) -> int:
     """How many leading tokens of `a` equal b[start:limit] (a binary search over list slices: C speed)."""
     lo, hi = 0, min(len(a), limit - start)
@@ -141,13 +132,10 @@ class _Node:
 
 
 class RadixCache:
-    """Keys/values of token sequences the engine computed, in a radix tree over token ids (SGLang's
-    RadixAttention, on the CPU): a prompt that starts like an earlier sequence (an agent's next turn is
-    its previous context + action + observation; a burst of agents shares a system prompt) copies that
-    prefix instead of computing it. A node holds its edge's ids and their keys/values [layers, 2, kv_heads,
-    n, head_dim]; a prefix shared by many sequences is held once. Least recently used leaves go beyond
-    `max_tokens`, leaves a lookup took whole first (the batch holds them now, until the sequence comes back
-    longer). Entries are for the current weights only: `clear()` on weight updates."""
+    """Keys/values of sequences the engine computed, in a radix tree over token ids (SGLang's RadixAttention): a
+    prompt that starts like an earlier sequence (an agent's next turn) copies that prefix instead of computing it.
+    A node holds its edge's ids and keys/values [layers, 2, kv_heads, n, head_dim]. Least recently used leaves go
+    beyond `max_tokens`, leaves a lookup took whole first (the batch holds them now). `clear()` on weight updates."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens, self.tokens, self.clock = max_tokens, 0, 0
@@ -208,8 +196,6 @@ def trim_heap() -> None:
 
 
 # --------------------------------------------------------------------------- the running batch
-
-
 class BatchKV(DynamicCache):
     """The batch's keys/values (layout in the module doc), as the cache of a forward (`Engine.cache_arg`): the model
     hands each layer's new keys/values to `update`, which writes them at `cols` [B, T] of rows `first`..
@@ -271,8 +257,6 @@ def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 
 
 # ----------------------------------------------------------------------------------- the engine
-
-
 class Engine:
     def __init__(self, model, tokenizer, *, max_running: int = 128, max_total_tokens: int = 0,
                  prefill_chunk: int = 2048, prefix_cache_tokens: int = -1, context_length: int | None = None,
