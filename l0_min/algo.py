@@ -27,12 +27,10 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
 def zscore(values: list[float], eps: float = 1e-6) -> list[float]:
     """(x - mean) / (std + eps) with the population std; all-equal values give zeros.
 
-    >>> zscore([0.0, 0.0, 1.0, 1.0], eps=0.0)
-    [-1.0, -1.0, 1.0, 1.0]
+    >>> zscore([0.0, 0.0, 1.0, 1.0], eps=0.0), zscore([3.0, 3.0])
+    ([-1.0, -1.0, 1.0, 1.0], [0.0, 0.0])
     >>> zscore([0.0, 0.0, 1.0, 1.0])  # the default eps shrinks it a hair
     [-0.999998, -0.999998, 0.999998, 0.999998]
-    >>> zscore([3.0, 3.0])
-    [0.0, 0.0]
     """
     if not values:
         return []

@@ -44,14 +44,8 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 def normalize_answer(s: str) -> str:
     """SQuAD/HotpotQA normalisation, Unicode-aware (the comment above).
 
-    >>> normalize_answer("The  Café, Paris!"), normalize_answer("U.S. $1,000")
-    ('café paris', 'us 1000')
-    >>> normalize_answer("An Apple a day")
-    'apple day'
-    >>> normalize_answer("Ｔｏｋｙｏ")
-    'tokyo'
-    >>> normalize_answer("  ")
-    ''
+    >>> [normalize_answer(s) for s in ("The  Café, Paris!", "U.S. $1,000", "An Apple a day", "Ｔｏｋｙｏ", "  ")]
+    ['café paris', 'us 1000', 'apple day', 'tokyo', '']
     """
     if not isinstance(s, str):
         raise TypeError(f"normalize_answer expects a str, got {type(s).__name__}: {s!r}")
@@ -82,10 +76,8 @@ def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
     """1.0 when the normalised prediction equals a normalised gold alias; a blank one never does. A gold that
     normalises to "" ("A+") is compared by `light_normalize` (SQuAD's code would match any all-punctuation answer).
 
-    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"])
-    1.0
-    >>> exact_match("Eiffel", ["Eiffel Tower"])
-    0.0
+    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"]), exact_match("Eiffel", ["Eiffel Tower"])
+    (1.0, 0.0)
     >>> exact_match("", [""]), exact_match("a+", ["A+"]), exact_match("?", ["A+"])
     (0.0, 1.0, 0.0)
     """

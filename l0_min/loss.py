@@ -11,12 +11,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
     """Per-token KL(pi || pi_ref) estimators on tokens sampled from pi (Schulman's k1, k2, k3; L0 used k3).
 
     >>> lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -2.0])
-    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k1").tolist()]
-    [1.0, 0.0]
-    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k2").tolist()]
-    [0.5, 0.0]
-    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k3").tolist()]
-    [0.367879, 0.0]
+    >>> [[round(x, 6) for x in kl_penalty(lp, ref, k).tolist()] for k in ("k1", "k2", "k3")]
+    [[1.0, 0.0], [0.5, 0.0], [0.367879, 0.0]]
     """
     d = logp - ref_logp
     if estimator == "k1":
@@ -63,16 +59,14 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
     >>> round(policy_loss(lp, lp, torch.tensor([1.0, 1.0, -2.0]), torch.tensor([1.0, 1.0, 0.0]), 4.0).item(), 6)
     0.75
 
-    Token 1's ratio e^-1 = 0.37 with A = -1: min(-0.37, clip(0.37) * -1 = -0.8) = -0.8, so the
-    surrogates are [-1, -0.8, 1] and the loss is -(-0.8) / 3:
+    Token 1's ratio e^-1 = 0.37 with A = -1: min(-0.37, clip(0.37) * -1) = -0.8; surrogates [-1, -0.8, 1]:
 
     >>> old = torch.tensor([-1.0, -1.0, -3.0])
     >>> round(policy_loss(lp, old, torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 3.0, 0.2).item(), 6)
     0.266667
 
-    With `chunk` (algo.ratio_level chunk: `chunks(mask)`) a token's ratio is its chunk's, the geometric mean
-    exp(mean(logp - old_logp)) over the chunk, clipped as one (GSPO's sequence ratio, per agent step). Tokens 0-1
-    are one chunk of ratio exp(-1/2) = 0.61, clipped to 0.8 for A = -1: surrogates [-0.8, -0.8, 1], loss 0.6 / 3:
+    With `chunk` (`chunks(mask)`) a token's ratio is its chunk's geometric mean, clipped as one (GSPO's sequence
+    ratio, per agent step): tokens 0-1 have exp(-1/2) = 0.61, clipped to 0.8: surrogates [-0.8, -0.8, 1]:
 
     >>> round(policy_loss(lp, old, torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 3.0, 0.2,
     ...                   torch.tensor([0, 0, 1])).item(), 6)
@@ -98,8 +92,8 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: fl
     >>> [round(x, 6) for x in w.tolist()], keep.tolist()
     ([1.0, 2.0, 0.449329], [1.0, 0.0, 0.0])
 
-    Per chunk (`chunk`, ROLL's IPA): one ratio per agent step, the geometric mean of its tokens' (here tokens 0-1:
-    exp(1/2) = 1.65, inside the band; token 2 alone, 0.45, outside): a chunk is weighted and masked whole.
+    Per chunk (`chunk`, ROLL's IPA): one ratio per agent step, the geometric mean of its tokens', weighted and
+    masked whole:
 
     >>> w, keep = behaviour_weights(prox, behav, cap=2.0, band=(0.5, 2.0), chunk=torch.tensor([0, 0, 1]))
     >>> [round(x, 6) for x in w.tolist()], keep.tolist()

@@ -20,15 +20,12 @@ def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5, f
     one `<code>` block of more than `min_code_chars`, not cut off by the token limit. The server may leave the stop
     string "</code>" out, so an action that ends inside an open `<code>` block counts as closed.
 
-    >>> format_ok("<think>look it up first</think><code>web_search('x')</code>")
-    True
-    >>> format_ok("<think>look it up first</think><code>web_search('x')")
-    True
-    >>> format_ok("<think>look it up first</think><code>print(123", finish_reason="length")
-    False
+    >>> t = "<think>look it up first</think>"
+    >>> format_ok(t + "<code>web_search('x')</code>"), format_ok(t + "<code>web_search('x')")
+    (True, True)
+    >>> format_ok(t + "<code>print(123", finish_reason="length"), format_ok(t + "<code>1</code><code>print(1)</code>")
+    (False, False)
     >>> format_ok("<think>short</think><code>web_search('x')</code>")
-    False
-    >>> format_ok("<think>look it up first</think><code>1</code><code>web_search('x')</code>")
     False
     """
     opened = action.count("<code>") == action.count("</code>") + 1
@@ -42,10 +39,8 @@ def format_ok(action: str, min_think_chars: int = 10, min_code_chars: int = 5, f
 def exec_score(exec_oks: Iterable[bool | None]) -> float:
     """1 - errored / executed over the steps that ran code (None: no code ran); 0.0 if none ran.
 
-    >>> exec_score([True, False, None, True, True])
-    0.75
-    >>> exec_score([None, None])
-    0.0
+    >>> exec_score([True, False, None, True, True]), exec_score([None, None])
+    (0.75, 0.0)
     """
     ran = [ok for ok in exec_oks if ok is not None]
     return sum(1 for ok in ran if ok) / len(ran) if ran else 0.0
