@@ -4,10 +4,9 @@
     batch = await collect_batch(svc, stream, cfg.rollout)         # train.py: groups, dynamic sampling
     await run_tasks(svc, tasks, n_samples, on_episode=write)      # rollout.py / evaluate.py
 
-Each task runs in its environment (`task.env`): its host tools, workspace files (hidden first cells), prompts and
-score. Environment failures are retried, then masked; timeouts dropped up to a cap, then failures; an unreachable
-server pauses episodes, then ends the run (InferenceDown); a score() that raises fails its episode, never the run;
-dynamic sampling and chunk-initialization resampling shape the groups (README "Inside the loop" has the rules).
+Each task runs in its environment (`task.env`). Environment failures are retried, then masked; timeouts dropped up
+to a cap, then failures; an unreachable server ends the run (InferenceDown); a score() that raises fails its episode,
+never the run (README "Inside the loop" has the rules).
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ class Kernels(Protocol):
 
 @dataclass
 class Services:
-    """What episodes need: config, the policy (inference client), kernels, the host tools, a tokenizer, and
-    the task environments by name."""
+    """What episodes need: config, policy, kernels, host tools, tokenizer, the task environments by name."""
 
     cfg: Config
     policy: Policy
@@ -107,9 +105,8 @@ async def _healthy(svc: Services) -> bool:
 
 
 async def _wait_for_server(svc: Services) -> bool:
-    """After an inference failure: False if the policy answers /health at once (the request itself
-    failed), True once it answers again after an outage. Raises InferenceDown when the outage,
-    counted from the first episode that found it, has lasted inference.down_after seconds."""
+    """After an inference failure: False if the policy answers /health at once (the request failed), True once it
+    answers again after an outage; InferenceDown once the outage has lasted inference.down_after seconds."""
     if await _healthy(svc):
         svc.down_since = None
         return False
@@ -208,8 +205,8 @@ async def _cancel(jobs) -> None:
 
 # ----------------------------------------------------------------------------- training batches
 class TaskStream:
-    """An endless, seeded, resumable order over the training tasks of one or several sources: each draw
-    picks a source by its weight, then that source's next task (a fresh shuffle each epoch of it).
+    """An endless, seeded, resumable order over the training tasks of one or several sources (each draw: a source by
+    its weight, then its next task, a fresh shuffle each epoch).
 
     >>> s = TaskStream([Task(str(i), "q", []) for i in range(3)], seed=0)
     >>> [s.next().id for _ in range(4)], s.position
@@ -361,8 +358,7 @@ class Batches:
             self.ready.put_nowait(await self.collect())
 
     async def next(self, version: int = 0) -> Batch:
-        """The next batch for the learner at weight `version`; an error of the producer (InferenceDown) is
-        raised here."""
+        """The next batch for the learner at weight `version`; the producer's error (InferenceDown) is raised here."""
         if self.ahead:
             self.producer = self.producer or asyncio.ensure_future(self._produce())
             get = asyncio.ensure_future(self.ready.get())

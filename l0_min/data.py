@@ -392,9 +392,8 @@ def _from_hub(name: str) -> Path:
 
 def load_benchmark(name: str, path: str | None = None, limit: int | None = None,
                    skip_bad_rows: bool = False, data_dir: str | None = None) -> Tasks:
-    """A benchmark by name, from `path` (a file, or a folder searched as in `find_benchmark_file`),
-    else from `data_dir` or $L0_MIN_DATA, else from the Hugging Face hub. With `path` any name will do:
-    it labels the run (the file's rows carry their own layout and sources)."""
+    """A benchmark by name, from `path` (a file or a folder: `find_benchmark_file`; then any name labels the run),
+    else from `data_dir` or $L0_MIN_DATA, else from the Hugging Face hub."""
     key = benchmark_name(name, known=not path)
     root = path or data_dir or os.environ.get("L0_MIN_DATA")
     file = find_benchmark_file(key, root) if root else _from_hub(key)

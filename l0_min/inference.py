@@ -157,8 +157,7 @@ class InferenceClient:
         self._sticky: OrderedDict[str, _Server] = OrderedDict()  # episode key -> its server (LRU)
 
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
-        """Sample a continuation of `input_ids`. `sampling` holds SGLang sampling_params (max_new_tokens,
-        temperature, top_p, top_k, stop, stop_token_ids, ...)."""
+        """Sample a continuation of `input_ids` under SGLang `sampling` params."""
         exact = isinstance(input_ids, list) and set(map(type, input_ids)) == {int}  # the usual case, one pass in C
         if not exact and not (isinstance(input_ids, list) and input_ids and all(isinstance(i, int) for i in input_ids)):
             raise ValueError("input_ids: expected a non-empty list of token ids")
@@ -235,9 +234,8 @@ class InferenceClient:
         return all(status == 200 for status in await asyncio.gather(*(self._probe(s, "/health") for s in self.servers)))
 
     async def wait_ready(self) -> float:
-        """Wait until every generation URL and worker answers GET /health with 200 (SGLang refuses
-        connections while it loads, then answers 503 while it warms up). Raises InferenceError naming the
-        URL on any other answer, or when inference.ready_timeout passes. Returns the seconds waited."""
+        """The seconds until every server and worker answered GET /health with 200 (SGLang refuses connections, then
+        answers 503 while it loads); InferenceError on any other answer or past inference.ready_timeout."""
         t0 = time.monotonic()
 
         async def one(server: _Server):

@@ -39,10 +39,9 @@ from l0_min.episode import Row
 
 # --------------------------------------------------------------------------------------- memory
 def memory_estimate(config, n_params: int, n_train: int, cfg: LearnerConfig, world: int, mixed: bool, ref: bool) -> dict:
-    """GiB per rank at its peak, by part: fp32 masters, gradients and AdamW's moments and the KL reference, sharded;
-    the gathered compute copies (the root and two units in flight); one micro-batch's activations (what checkpointing
-    keeps, then the larger of one layer's backward and the LM head's chunk). Within -0.02..+0.65 GiB of the 10 peaks
-    measured (README)."""
+    """GiB per rank at its peak, by part: fp32 masters, gradients, AdamW's moments, the KL reference (sharded); the
+    gathered copies (root and two units in flight); a micro-batch's activations (what checkpointing keeps, then the
+    larger of a layer's backward and the head's chunk). Within -0.02..+0.65 GiB of 10 measured peaks (README)."""
     h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     a, t, v, kv = 2 if mixed else 4, cfg.micro_batch_tokens, config.vocab_size, config.num_key_value_heads
     kv *= getattr(config, "head_dim", None) or h // config.num_attention_heads
@@ -322,10 +321,8 @@ def packing(pos: torch.Tensor, need: torch.Tensor | None = None) -> tuple[torch.
 
 def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tensor | None = None,
                    temperature: float = 1.0, packed: tuple | None = None) -> torch.Tensor:
-    """log p(ids[t] | ids[<t]) at `temperature` for a packed sequence, at the positions `need` marks (default: all;
-    `packed`: `packing(pos, need)` worked out ahead), as a tensor as long as `ids` (0 elsewhere). The lm_head must be a
-    LogProbHead; only the needed positions go through it: all logits of every context token were ~20% of the FLOPs.
-    """
+    """log p(ids[t] | ids[<t]) at `temperature` of a packed sequence at the positions `need` marks (default: all;
+    `packed`: `packing(pos, need)` worked out ahead), 0 elsewhere. Only those go through the LogProbHead lm_head."""
     cu, longest, idx = packing(pos, need) if packed is None else packed  # idx: t; their logits are t - 1's
     head = model.lm_head
     head.targets, head.inv_t = ids[idx], 1.0 / (temperature or 1.0)  # T = 0 (greedy): the raw distribution
@@ -405,9 +402,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str | bool) -> 
 
 
 def apply_compile(model: torch.nn.Module, backend: str) -> None:
-    """learner.compile: torch.compile each decoder layer's forward (its activation checkpointing inside, FSDP's
-    hooks outside, as torchtitan does) and the LM head's elementwise kernels, with dynamic shapes (a new packed
-    length does not recompile; the layers share one compiled graph). "inductor" on GPUs; "none" off."""
+    """learner.compile: torch.compile each decoder layer's forward (checkpointing inside, FSDP's hooks outside, as
+    torchtitan does) and the LM head's kernels, with dynamic shapes (a new packed length does not recompile)."""
     if backend == "none":
         return
     compile = functools.partial(torch.compile, backend=backend, dynamic=True)

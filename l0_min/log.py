@@ -1,15 +1,7 @@
 """What a training run leaves on disk, and the numbers it prints and plots.
 
-A run folder (`RunDir`) looks like this:
-
-    runs/<name>/
-      config.yaml                 the resolved config (written by the caller with l0_min.config.save)
-      metrics.jsonl               one JSON object per RL step: {"step": 1, "reward": 0.41, ...}
-      trajectories/step_00001.jsonl   one Episode.to_json() per line, every episode of that step
-      checkpoints/
-      plots/rewards.png           plot_rewards(metrics.jsonl)
-      viewer.html                 l0_min.viewer.write_viewer(run folder): browse the trajectories
-      viewer.json                 which trajectories files viewer.html holds (it is appended to, step by step)
+A run folder (`RunDir`) holds config.yaml, metrics.jsonl (one JSON object per step), trajectories/step_00001.jsonl
+(one Episode.to_json() a line), checkpoints/, plots/rewards.png, viewer.html and viewer.json (l0_min.viewer).
 
 `batch_metrics` turns one step's episodes into flat named numbers, `MetricsLogger` appends them to metrics.jsonl
 (and TensorBoard / Weights & Biases), `format_step_row` prints them; `log_step` is rank 0's whole per-step record.
@@ -262,9 +254,8 @@ class MetricsLogger:
 
 def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episodes: list[Episode],
              viewer_max_per_step: int | None = None, table: tuple = ((), {})) -> None:
-    """Rank 0's record of one RL step (train.py): its metrics, its trajectories file, its row of the table
-    (`table`: the training environments' names and the environments, as for `step_header`), the plot and
-    the viewer (appended to: l0_min.viewer)."""
+    """Rank 0's record of one RL step (train.py): metrics, trajectories file, table row (`table`: the arguments of
+    `step_header`), plot and viewer."""
     logger.log(step, metrics)
     run.write_trajectories(step, episodes)
     print(format_step_row(step, metrics, *table), flush=True)
@@ -274,10 +265,8 @@ def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episo
 
 # ----------------------------------------------------------------------------------------- plot
 def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
-    """Three panels against the learner step (an SFT step or an RL step; records say which in "phase"):
-    the held-out score at each evaluation ("eval/score" sampled, "eval/greedy/score" greedy, with 95% intervals;
-    "eval/<env>/score" per environment of a mixed run) over the shaded SFT and RL phases; the training signal
-    (SFT loss, RL reward); the RL steps' rates."""
+    """Three panels against the learner step (SFT and RL phases shaded): the held-out scores with their 95%
+    intervals (sampled, greedy, per environment), the training signal (SFT loss, RL reward), the RL steps' rates."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, safe in any process
     from matplotlib.ticker import MaxNLocator
 

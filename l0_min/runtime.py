@@ -71,9 +71,8 @@ def check_sandbox(cfg) -> None:
 
 
 async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> None:
-    """Every worker loads the weights folder `folder` and confirms `version`; then the other step_*
-    folders beside it go (until then the previous one stays). A failed load raises: SGLang does not go
-    back to the previous folder (its rollback re-reads the new one; see the README), so train.py stops."""
+    """Every worker loads the weights folder `folder` and confirms `version`; then the other step_* folders beside it
+    go. A failed load raises (SGLang's rollback re-reads the new folder, README), so train.py stops."""
     folder = Path(folder).resolve()
     await policy.update_weights_from_disk(str(folder), version)
     for old in folder.parent.glob("step_*"):

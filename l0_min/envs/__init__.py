@@ -5,8 +5,8 @@ and how an episode is scored. The agent loop, the collector, the learner and the
     tasks = env.tasks("synthetic:train")     # Task(env="math", ...): each task names its environment
     load_sources(cfg.data.train, cfg)        # several sources, each with its environment and weight
 
-A module is an environment when it defines `make_env(cfg) -> TaskEnv`; subclassing `TaskEnvBase` leaves a
-fork only what differs. The smallest complete one is in the README ("Write your own environment").
+A module is an environment when it defines `make_env(cfg) -> TaskEnv` (`TaskEnvBase` has the defaults; README
+"Write your own environment").
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ def solved(ep: Episode, env: TaskEnv) -> bool:
 
 
 def load_sources(sources, cfg, limit: int | None = None) -> tuple[list[list[Task]], list[float], dict[str, TaskEnv]]:
-    """Each source's tasks (tagged with their environment), the sources' weights, the environments by name.
-    An error names the source."""
+    """Each source's tasks (tagged with their environment), the sources' weights, the environments by name."""
     envs, names, parts = {}, {}, []  # name -> environment (tasks carry its name); spec -> name
     for s in sources:
         spec = s.env or cfg.env

@@ -197,10 +197,9 @@ def trim_heap() -> None:
 
 # --------------------------------------------------------------------------- the running batch
 class BatchKV(DynamicCache):
-    """The batch's keys/values (layout in the module doc), as the cache of a forward (`Engine.cache_arg`): the model
-    hands each layer's new keys/values to `update`, which writes them at `cols` [B, T] of rows `first`..
-    and returns those rows' first `width` columns (the engine's 4D mask hides what a token must not see).
-    transformers' own cache layers are not used: their API differs between 4.x and 5.x."""
+    """The batch's keys/values (module doc) as a forward's cache: `update` writes a layer's new ones at `cols` [B, T]
+    of rows `first`.. and returns those rows' first `width` columns (the 4D mask hides what a token must not see).
+    Not transformers' own cache layers: their API differs between 4.x and 5.x."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
@@ -240,10 +239,9 @@ GQA_ATTENTION = "l0_gqa_sdpa"
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' "sdpa" attention with grouped-query heads left to the kernel (transformers repeats K/V
-    to every query head whenever a mask is given: on CPU a copy of the whole cache per layer). A decode
-    step (one query per row) folds the query heads of a K/V head into query rows of it: one kernel call
-    without `enable_gqa`, ~20% faster on CPU at 64 rows x 600 columns."""
+    """transformers' "sdpa" attention with grouped-query heads left to the kernel (transformers repeats K/V to every
+    query head when a mask is given: a copy of the cache per layer). A decode step folds the query heads of a K/V
+    head into query rows of it: one call without `enable_gqa`, ~20% faster on CPU at 64 rows x 600 columns."""
     if is_causal is None:
         is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     sdpa, groups = torch.nn.functional.scaled_dot_product_attention, getattr(module, "num_key_value_groups", 1)
@@ -303,7 +301,6 @@ class Engine:
         self._idle = 0  # idle timeouts in a row
 
     # -- thread-safe API --------------------------------------------------------------------
-
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="l0_min-engine", daemon=True)
         self._thread.start()
@@ -361,7 +358,6 @@ class Engine:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     # -- engine thread ----------------------------------------------------------------------
-
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stopped:
@@ -457,10 +453,9 @@ class Engine:
         return group, width
 
     def _prefill_rows(self, group: list[Sequence], width: int) -> int:
-        """Compute up to `width` more prompt tokens of each of `group` in one forward, in the rows after the
-        running ones. Each row first gets its prefix's keys/values copied in; its new tokens are the last of
-        the `width` input columns (left padding), written at its next columns; padding is written after
-        them, where later tokens overwrite it. Returns the tokens computed, padding included."""
+        """Compute up to `width` more prompt tokens of each of `group` in one forward, in the rows after the running
+        ones, after copying in its prefix's keys/values; new tokens are left-padded, and the padding written after
+        them is overwritten later. Returns the tokens computed, padding included."""
         first, lens = len(self.running), [min(len(s.input_ids) - s.prefilled, width) for s in group]
         start, new = torch.tensor([s.prefilled for s in group]), torch.tensor(lens)
         cols = start[:, None] + (torch.arange(width)[None, :] - (width - new)[:, None]) % width
@@ -588,7 +583,6 @@ class Engine:
             log.error("on_done callback failed:\n%s", traceback.format_exc())
 
     # -- run in the engine thread through call() ----------------------------------------------
-
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests are in flight, as in SGLang."""
         if self.num_requests():
