@@ -4,9 +4,8 @@
       -> decode -> parse <think>...</think><code>...</code> -> kernel.execute(code)
       -> the cell's output -> the context watcher adds "<output>...</output> + budget note"
 
-Token-in/token-out: a Step keeps the context ids sent and the action ids and log-probs returned; text is decoded
-for parsing and display only. The services are Protocols (`Policy`, `Kernel`, `Tools`); the episode ends with a
-final answer the tool server recorded, or on a budget (README "Inside the loop" has how each end is scored).
+A Step keeps the context ids sent and the action ids and log-probs returned (text is decoded for parsing and display
+only). The episode ends with a final answer the tool server recorded, or on a budget (README "Inside the loop").
 """
 
 from __future__ import annotations
@@ -108,8 +107,7 @@ def sampling_params(cfg: Config, room: int) -> dict:
 
 # ---------------------------------------------------------------------------------- the episode
 async def run_episode(task: Task, env, policy: Policy, kernel: Kernel, tools: Tools, tokenizer, cfg: Config) -> Episode:
-    """Run one NB-Agent episode of `env` (l0_min.envs) on an acquired kernel whose workspace the caller
-    prepared; the caller acquires and releases it."""
+    """Run one NB-Agent episode of `env` on a kernel the caller acquired, prepared and will release."""
     t0 = time.monotonic()
     ep = Episode(task=task)
     episode_key.set(f"{task.id}#{uuid.uuid4().hex[:12]}")  # its requests go to one server (its prefix cache)

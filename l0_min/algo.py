@@ -1,12 +1,6 @@
-"""The RL mathematics of L0, as small pure functions.
-
-Advantages work on plain lists (one entry per trajectory, or per agent step) so the examples read
-as numbers. Every function has a worked example that is also an exact-number test.
-
-Pipeline (train.py): per-step rewards -> `step_advantages` (REINFORCE++ returns, batch-step-wise
-z-score; or GRPO / RLOO on the outcome) -> `shape_advantages`, `sample_weights` (stabilisers) ->
-broadcast to action tokens (`episode.segment_rows`) -> the losses of `l0_min/loss.py`. Plain Python:
-the rollout side imports this without torch.
+"""The RL mathematics of L0 as small pure functions on plain lists (the rollout side imports it without torch),
+each with a worked example. train.py: per-step rewards -> `step_advantages` -> `shape_advantages`,
+`sample_weights` -> action tokens (`episode.segment_rows`) -> the losses of `l0_min/loss.py`.
 """
 
 from __future__ import annotations
@@ -33,12 +27,10 @@ def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
 def zscore(values: list[float], eps: float = 1e-6) -> list[float]:
     """(x - mean) / (std + eps) with the population std; all-equal values give zeros.
 
-    >>> zscore([0.0, 0.0, 1.0, 1.0], eps=0.0)
-    [-1.0, -1.0, 1.0, 1.0]
+    >>> zscore([0.0, 0.0, 1.0, 1.0], eps=0.0), zscore([3.0, 3.0])
+    ([-1.0, -1.0, 1.0, 1.0], [0.0, 0.0])
     >>> zscore([0.0, 0.0, 1.0, 1.0])  # the default eps shrinks it a hair
     [-0.999998, -0.999998, 0.999998, 0.999998]
-    >>> zscore([3.0, 3.0])
-    [0.0, 0.0]
     """
     if not values:
         return []
@@ -51,19 +43,11 @@ def zscore(values: list[float], eps: float = 1e-6) -> list[float]:
 
 
 def reinforce_pp_advantages(step_rewards: list[list[float]], gamma: float = 1.0, eps: float = 1e-6) -> list[list[float]]:
-    """REINFORCE++ with batch-step-wise normalisation (L0, section 3).
-
-    Discounted returns per trajectory, then one z-score over ALL steps of ALL trajectories in the
-    batch. Each step's advantage is later broadcast to every action token of that step.
-
-    Returns [1, 1] and [0, 0] have mean 0.5 and std 0.5:
+    """REINFORCE++ with batch-step-wise normalisation (L0, section 3): discounted returns per trajectory, then
+    one z-score over ALL steps of ALL trajectories. A long trajectory weighs by its number of steps.
 
     >>> reinforce_pp_advantages([[0.0, 1.0], [0.0, 0.0]], gamma=1.0, eps=0.0)
     [[1.0, 1.0], [-1.0, -1.0]]
-
-    Normalising over steps (not trajectories) weighs a long trajectory by its number of steps:
-    returns [1] and [0, 0, 0] have mean 0.25 and std sqrt(3)/4.
-
     >>> reinforce_pp_advantages([[1.0], [0.0, 0.0, 0.0]], gamma=1.0, eps=0.0)
     [[1.732051], [-0.57735, -0.57735, -0.57735]]
     """
@@ -112,10 +96,7 @@ def rloo_advantages(outcomes: list[float], groups: list[int]) -> list[float]:
 
 def step_advantages(step_rewards: list[list[float]], groups: list[int], method: str = "reinforce++", gamma: float = 1.0,
                     eps: float = 1e-6) -> list[list[float]]:
-    """Per-step advantages for a batch, by `method` (AlgoConfig.advantage).
-
-    GRPO and RLOO are outcome methods: the trajectory's total reward is normalised and every step
-    of the trajectory gets the same advantage.
+    """Per-step advantages by `method`; GRPO and RLOO give every step the trajectory's outcome advantage.
 
     >>> step_advantages([[0.0, 1.0], [0.0, 0.0]], [0, 0], "grpo", eps=0.0)
     [[1.0, 1.0], [-1.0, -1.0]]
@@ -136,11 +117,8 @@ def step_advantages(step_rewards: list[list[float]], groups: list[int], method: 
 
 # ---------------------------------------------------------------------- filters and stabilisers
 def dynamic_sampling_keep(core_rewards: list[float], groups: list[int]) -> list[bool]:
-    """DAPO dynamic sampling: False for every sample of a group whose core reward has no variance.
-
-    For a 0/1 accuracy that is exactly "all minimum or all maximum"; for a graded core reward
-    (L0's 0.9 * EM + 0.1 * has_answer) it also drops a group that answered, all wrong, alike.
-    Such a group has no learning signal under group baselines and only dilutes the batch.
+    """DAPO dynamic sampling: False for every sample of a group whose core reward has no variance (no learning
+    signal under group baselines; a graded core reward drops a group that answered, all wrong, alike too).
 
     >>> dynamic_sampling_keep([0, 0, 1, 1, 0, 1, 0.1, 0.1], [0, 0, 1, 1, 2, 2, 3, 3])
     [False, False, False, False, True, True, False, False]
@@ -151,11 +129,8 @@ def dynamic_sampling_keep(core_rewards: list[float], groups: list[int]) -> list[
 
 def sample_weights(env_failed: list[bool], failed: list[bool], n_tokens: list[int], *,
                    mask_env_failures: bool = False, max_failed_tokens: int = 0) -> list[float]:
-    """Per-trajectory loss weights from the ROLL team's stabilisers (all off by default).
-
-    - mask_env_failures: an episode that failed for environment reasons (sandbox, kernel, tool
-      backend) gets weight 0 but stays in the batch for shape and statistics.
-    - max_failed_tokens > 0: a failed trajectory (no final answer) longer than this gets weight 0.
+    """Per-trajectory loss weights from ROLL's stabilisers (off by default): weight 0 for an environment failure
+    (`mask_env_failures`) and for a failed trajectory longer than `max_failed_tokens` (> 0).
 
     >>> sample_weights([False, True, False], [False, True, True], [10, 10, 500],
     ...                mask_env_failures=True, max_failed_tokens=100)

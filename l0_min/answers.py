@@ -1,6 +1,5 @@
 """What every environment shares about answers: SQuAD-style normalisation (Unicode-aware), exact match and F1
-over gold aliases, numbers and their equality, the L0 answer reward, and the held-out split of synthetic tasks. No environment is imported
-here; each environment (l0_min/envs/) imports what it grades with.
+over gold aliases, numbers and their equality, the L0 answer reward, the held-out split of synthetic tasks.
 """
 
 from __future__ import annotations
@@ -34,33 +33,19 @@ def answer_reward(prediction: str | None, correct: float, em_weight: float = 0.9
     return em_weight * float(correct) + has_answer_weight * float(has_answer(prediction))
 
 
-# Normalisation follows SQuAD / HotpotQA (lowercase, drop punctuation, drop a/an/the, collapse
-# whitespace) but is Unicode-aware, where the L0 / SQuAD code keeps only what `string.punctuation`
-# knows and L0 drops non-ASCII letters. Lenient on purpose, for a reward; QA's benchmark tables also report the
-# official scores (`envs.qa.official_normalize`).
-# Decisions, so that two spellings of the same answer compare equal:
-# - NFKC first: composed and decomposed accents become one form ("e" + U+0301 -> "é"),
-#   full-width and ligature forms fold ("Ｔｏｋｙｏ" -> "tokyo", "ﬁ" -> "fi"), "²" -> "2".
-# - `str.casefold` instead of `lower` ("Straße" == "STRASSE"); identical on ASCII.
-# - punctuation is every character whose Unicode category is P* or S* (on ASCII this is exactly
-#   `string.punctuation`), removed without inserting a space, as SQuAD does ("U.S." -> "us").
-#   Accented letters, CJK, digits and combining marks stay.
-# - no accent stripping: "café" != "cafe", as the gold spelling is what counts.
+# SQuAD / HotpotQA normalisation made Unicode-aware (lenient on purpose, for a reward; QA's tables also report the
+# official scores, `envs.qa.official_normalize`): NFKC folds accents' forms, full-width and ligatures; casefold
+# ("Straße" == "STRASSE"); punctuation is every P* or S* character (on ASCII `string.punctuation`), removed
+# without a space ("U.S." -> "us"); accents stay ("café" != "cafe": the gold spelling counts).
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 def normalize_answer(s: str) -> str:
-    """SQuAD/HotpotQA normalisation, Unicode-aware (see the comment above).
+    """SQuAD/HotpotQA normalisation, Unicode-aware (the comment above).
 
-    >>> normalize_answer("The  Café, Paris!"), normalize_answer("U.S. $1,000")
-    ('café paris', 'us 1000')
-    >>> normalize_answer("An Apple a day")
-    'apple day'
-    >>> normalize_answer("Ｔｏｋｙｏ")
-    'tokyo'
-    >>> normalize_answer("  ")
-    ''
+    >>> [normalize_answer(s) for s in ("The  Café, Paris!", "U.S. $1,000", "An Apple a day", "Ｔｏｋｙｏ", "  ")]
+    ['café paris', 'us 1000', 'apple day', 'tokyo', '']
     """
     if not isinstance(s, str):
         raise TypeError(f"normalize_answer expects a str, got {type(s).__name__}: {s!r}")
@@ -88,16 +73,11 @@ def _golds(golds: str | Iterable[str]) -> list[str]:
 
 
 def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
-    """1.0 when the normalised prediction equals a normalised gold alias, else 0.0.
+    """1.0 when the normalised prediction equals a normalised gold alias; a blank one never does. A gold that
+    normalises to "" ("A+") is compared by `light_normalize` (SQuAD's code would match any all-punctuation answer).
 
-    A blank (or None) prediction never matches: nothing submitted earns nothing. A gold that
-    normalises to "" (only punctuation and articles, e.g. "A+") is compared with `light_normalize`
-    instead, where SQuAD's code would match it with any all-punctuation prediction.
-
-    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"])
-    1.0
-    >>> exact_match("Eiffel", ["Eiffel Tower"])
-    0.0
+    >>> exact_match("the Eiffel Tower.", ["Eiffel Tower", "Tour Eiffel"]), exact_match("Eiffel", ["Eiffel Tower"])
+    (1.0, 0.0)
     >>> exact_match("", [""]), exact_match("a+", ["A+"]), exact_match("?", ["A+"])
     (0.0, 1.0, 0.0)
     """
@@ -113,8 +93,7 @@ def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
 
 
 def token_f1(p: str, g: str) -> float:
-    """Token F1 of two normalised answers, as HotpotQA's official f1_score (also used by the official
-    scores of l0_min.evaluation): yes / no / noanswer on either side must match exactly.
+    """Token F1 of two normalised answers, as HotpotQA's official f1_score (yes / no / noanswer match exactly).
 
     >>> token_f1("barack obama", "obama"), token_f1("no", "no way"), token_f1("", "x")
     (0.6666666666666666, 0.0, 0.0)
@@ -129,8 +108,7 @@ def token_f1(p: str, g: str) -> float:
 
 
 def f1_score(prediction: str | None, golds: str | Iterable[str]) -> float:
-    """Best token F1 over the gold aliases, 0.0 unanswered. A gold of only punctuation / articles
-    ("A+") scores all or nothing, as in exact_match.
+    """Best token F1 over the gold aliases, 0.0 unanswered; a gold such as "A+" scores as in exact_match.
 
     >>> f1_score("the president Barack Obama", ["Obama", "Barack Obama"]), f1_score("a+", ["A+"])
     (0.8, 1.0)
@@ -193,10 +171,8 @@ def parse_number(text: str | None) -> Fraction | float | None:
 
 
 def numbers_equal(answer: str | None, gold: str, rel_tol: float = 1e-6) -> bool:
-    """Whether `answer` states the number `gold` does: exactly for integers, ending decimals and fractions, and
-    within `rel_tol` (relative) only where a side was rounded: written as a float ("1.5e3"), or a repeating decimal
-    (3.3333333 for 10/3). Compared as exact fractions, so no size overflows; a number either side cannot state
-    (none, several, "1e999") is unequal.
+    """Whether `answer` states the number `gold` does, as exact fractions (no overflow); within `rel_tol` only
+    where a side was rounded (a float "1.5e3", or a repeating decimal); none, several or "1e999" is unequal.
 
     >>> numbers_equal("1,200", "1200"), numbers_equal("$18.00", "18"), numbers_equal("3.3333333", "10/3")
     (True, True, True)

@@ -4,10 +4,9 @@
     batch = await collect_batch(svc, stream, cfg.rollout)         # train.py: groups, dynamic sampling
     await run_tasks(svc, tasks, n_samples, on_episode=write)      # rollout.py / evaluate.py
 
-Each task runs in its environment (`task.env`): its host tools, workspace files (hidden first cells), prompts and
-score. Environment failures are retried, then masked; timeouts dropped up to a cap, then failures; an unreachable
-server pauses episodes, then ends the run (InferenceDown); a score() that raises fails its episode, never the run;
-dynamic sampling and chunk-initialization resampling shape the groups (README "Inside the loop" has the rules).
+Each task runs in its environment (`task.env`). Environment failures are retried, then masked; timeouts dropped up
+to a cap, then failures; an unreachable server ends the run (InferenceDown); a score() that raises fails its episode,
+never the run (README "Inside the loop" has the rules).
 """
 
 from __future__ import annotations
@@ -43,8 +42,7 @@ class Kernels(Protocol):
 
 @dataclass
 class Services:
-    """What episodes need: config, the policy (inference client), kernels, the host tools, a tokenizer, and
-    the task environments by name."""
+    """What episodes need: config, policy, kernels, host tools, tokenizer, the task environments by name."""
 
     cfg: Config
     policy: Policy
@@ -107,9 +105,8 @@ async def _healthy(svc: Services) -> bool:
 
 
 async def _wait_for_server(svc: Services) -> bool:
-    """After an inference failure: False if the policy answers /health at once (the request itself
-    failed), True once it answers again after an outage. Raises InferenceDown when the outage,
-    counted from the first episode that found it, has lasted inference.down_after seconds."""
+    """After an inference failure: False if the policy answers /health at once (the request failed), True once it
+    answers again after an outage; InferenceDown once the outage has lasted inference.down_after seconds."""
     if await _healthy(svc):
         svc.down_since = None
         return False
@@ -182,11 +179,8 @@ def _score(ep: Episode, cfg, env: TaskEnv) -> None:
 
 async def run_tasks(svc: Services, tasks: list[Task], n_samples: int = 1,
                     on_episode: Callable[[Episode], Awaitable[None] | None] | None = None) -> list[Episode]:
-    """Every task `n_samples` times (no filtering, no dropping): rollout.py and evaluate.py.
-
-    `on_episode` is called as each episode finishes (write it out, update a progress line).
-    Episodes are returned in task order.
-    """
+    """Every task `n_samples` times (no filtering, no dropping), in task order; `on_episode` is called as each
+    episode finishes. rollout.py and evaluate.py."""
 
     async def one(i: int, task: Task, s: int) -> Episode:
         ep = await run_one(svc, task, i, s)
@@ -210,11 +204,9 @@ async def _cancel(jobs) -> None:
 
 
 # ----------------------------------------------------------------------------- training batches
-
-
 class TaskStream:
-    """An endless, seeded, resumable order over the training tasks of one or several sources: each draw
-    picks a source by its weight, then that source's next task (a fresh shuffle each epoch of it).
+    """An endless, seeded, resumable order over the training tasks of one or several sources (each draw: a source by
+    its weight, then its next task, a fresh shuffle each epoch).
 
     >>> s = TaskStream([Task(str(i), "q", []) for i in range(3)], seed=0)
     >>> [s.next().id for _ in range(4)], s.position
@@ -351,11 +343,9 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
 
 
 class Batches:
-    """Training batches from `stream`, one after another. With `ahead` = k >= 1 a producer collects up
-    to k batches before they are asked for (rollout/training overlap: the episodes of step t+1 run while
-    the learner trains step t), and `next(version)` drops episodes whose actions are more than k weight
-    versions older than the learner's (`drop_stale`); with 0 a batch is collected when asked for (strictly
-    on-policy)."""
+    """Training batches from `stream`. With `ahead` = k >= 1 a producer collects up to k batches ahead (step t+1's
+    episodes run while the learner trains step t) and `next(version)` drops episodes more than k weight versions
+    old (`drop_stale`); with 0 a batch is collected when asked for (strictly on-policy)."""
 
     def __init__(self, svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool):
         self.collect = lambda: collect_batch(svc, stream, rc, dynamic_sampling)
@@ -368,8 +358,7 @@ class Batches:
             self.ready.put_nowait(await self.collect())
 
     async def next(self, version: int = 0) -> Batch:
-        """The next batch for the learner at weight `version`; an error of the producer (InferenceDown) is
-        raised here."""
+        """The next batch for the learner at weight `version`; the producer's error (InferenceDown) is raised here."""
         if self.ahead:
             self.producer = self.producer or asyncio.ensure_future(self._produce())
             get = asyncio.ensure_future(self.ready.get())
@@ -390,9 +379,8 @@ class Batches:
 
 
 def drop_stale(episodes: list[Episode], version: int, max_lag: int) -> tuple[list[Episode], dict]:
-    """Keep the episodes whose every action came from weights at most `max_lag` updates older than
-    `version` (the learner's, about to train on them); the stats count the dropped episodes and the
-    action tokens by lag. A weight version that is not a number ("default") is the base model, 0.
+    """The episodes whose every action came from weights at most `max_lag` updates older than `version`, and stats
+    (dropped episodes, action tokens by lag). A weight version that is not a number ("default") is 0.
 
     >>> from l0_min.episode import Step
     >>> ep = lambda *vs: Episode(Task("t", "q", []), [Step([], [1, 2], [0, 0], weight_version=v) for v in vs])

@@ -10,8 +10,7 @@ An unknown key or a value of the wrong type is an error that names the key:
     ... except ConfigError as e: print(e)
     unknown key 'algo.gama' (algo has: advantage, gamma, eps, ...)
 
-The resolved tree is written to the run directory as `config.yaml` (see `save`), and that file
-loads back to the same tree.
+The resolved tree is written to the run directory as `config.yaml` (`save`), which loads back to the same tree.
 """
 
 from __future__ import annotations

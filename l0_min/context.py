@@ -39,10 +39,8 @@ class ChatFormat:
 
     @staticmethod
     def _same_backend(tokenizer, wrapper: str):
-        """A fast tokenizer's Rust backend, if it encodes exactly like `tokenizer.encode` (checked on
-        probes with the chat wrapper, leading spaces, newlines and non-ASCII text). Calling it directly
-        skips the transformers wrapper, about half the cost of encoding a short observation, paid
-        several times per agent step."""
+        """A fast tokenizer's Rust backend, if it encodes probes exactly like `tokenizer.encode`: calling it skips
+        the transformers wrapper, about half the cost of encoding a short observation."""
         backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
         if backend is None:
             return None
@@ -71,9 +69,8 @@ class ChatFormat:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: list[int]) -> str:
-        """The text of sampled ids without special tokens: `decode(ids, skip_special_tokens=True)`.
-        A slow (Python) tokenizer recomputes its special tokens for every id when it skips them;
-        dropping those ids first gives the same text several times faster."""
+        """`decode(ids, skip_special_tokens=True)`, with the special ids dropped first: several times faster with a
+        slow tokenizer, which recomputes its special tokens for every id it skips."""
         if getattr(self.tokenizer, "is_fast", False):
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         return self.tokenizer.decode([i for i in ids if i not in self.special_ids])
@@ -180,11 +177,9 @@ class ContextWatcher:
         return self.chat.decode(ids)
 
     def add_step(self, action_ids: list[int], output: str, steps_left: int) -> str:
-        """Wrap a cell's output as the observation "<output>...</output>" plus a budget note, and (if a
-        step is left) append the action and the observation's ids. Returns the observation text.
-
-        The note counts the tokens left after the whole observation, its own tokens included: written
-        with a guess, then with the count that guess gave, until the count stays the same."""
+        """The observation text "<output>...</output>" plus a budget note (the tokens left after the whole
+        observation, its own included: rewritten until the count stays the same); if a step is left, the action
+        and the observation's ids are appended."""
         head = f"<output>\n{output}\n</output>\n"
         before = len(self.ids) + len(action_ids)
         left = self.max_tokens - before - len(head)  # a guess: about one token per character or fewer
@@ -207,10 +202,8 @@ class ContextWatcher:
         return f"{self.task_text}\n\n{note}\nNotepad:\n{notepad.strip() or '(empty)'}"
 
     def rebuild(self, notepad: str) -> bool:
-        """Start a new segment: system, task, drop note, notepad, then the most recent steps that fit.
-
-        Returns False (context left unchanged) if not even the head leaves `min_room` for an action.
-        """
+        """Start a new segment: system, task, drop note, notepad, then the most recent steps that fit; False (context
+        unchanged) if not even the head leaves `min_room` for an action."""
         n, limit = len(self.turns), self.max_tokens - self.min_room
         k, used = 0, len(self._head(self.rebuild_user_text(notepad, n)))  # choose k recent steps, newest first
         for turn in reversed(self.turns):

@@ -3,13 +3,10 @@ gzipped too), by name from $L0_MIN_DATA / data.data_dir or the Hugging Face hub,
 
     load_tasks("hotpotqa"), load_tasks("path/to/dev.jsonl"), load_benchmark("bamboogle", "test.csv", limit=10)
 
-Layouts: simpleqa (metadata, problem, answer), qa (HotpotQA, 2Wiki: question, answer [, context ...]), musique,
-csv_qa (Bamboogle: Question, Answer), gsm8k (question, answer ending "#### <number>": the gold; env math),
-answers (NQ-open: answer(s) as aliases), triviaqa (nested or HF's flat form), flashrag (id, question,
-golden_answers [, data_source]). Aliases joined with `<|answer_split|>` are split; a row's `data_source` becomes
-its `meta["benchmark"]` (the canonical name: ALIASES), to score per source. A malformed or non-UTF-8 row raises
-`DataError` naming file and 1-based row; with `skip_bad_rows=True` it is skipped, logged and counted (`Tasks`'
-`.skipped`, `.errors`). Ids come from the row (`_id`, `id`, `idx`, `QuestionId`, `question_id`), else
+Layouts (`detect_layout`): simpleqa, qa (HotpotQA, 2Wiki), musique, csv_qa (Bamboogle), gsm8k, answers (NQ-open),
+triviaqa, flashrag. Aliases joined with `<|answer_split|>` are split; a row's `data_source` becomes its
+`meta["benchmark"]` (canonical name: ALIASES). A malformed or non-UTF-8 row raises `DataError` naming file and row;
+with `skip_bad_rows=True` it is skipped and counted (`Tasks`' `.skipped`, `.errors`). Ids come from the row, else
 `<file stem>:<row>`. Synthetic tasks come from each environment's own generator.
 """
 
@@ -395,9 +392,8 @@ def _from_hub(name: str) -> Path:
 
 def load_benchmark(name: str, path: str | None = None, limit: int | None = None,
                    skip_bad_rows: bool = False, data_dir: str | None = None) -> Tasks:
-    """A benchmark by name, from `path` (a file, or a folder searched as in `find_benchmark_file`),
-    else from `data_dir` or $L0_MIN_DATA, else from the Hugging Face hub. With `path` any name will do:
-    it labels the run (the file's rows carry their own layout and sources)."""
+    """A benchmark by name, from `path` (a file or a folder: `find_benchmark_file`; then any name labels the run),
+    else from `data_dir` or $L0_MIN_DATA, else from the Hugging Face hub."""
     key = benchmark_name(name, known=not path)
     root = path or data_dir or os.environ.get("L0_MIN_DATA")
     file = find_benchmark_file(key, root) if root else _from_hub(key)

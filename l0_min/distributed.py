@@ -16,11 +16,8 @@ import torch.distributed as dist
 
 
 def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, int, torch.device]:
-    """Join the torchrun process group (or make a 1-rank group for plain `python`) on `device` (learner.device:
-    auto = CUDA when torch can use it; cuda = RuntimeError with the reason when it cannot; cpu).
-
-    With CUDA the group is device-mapped, "cpu:gloo,cuda:nccl": plain "nccl" has no CPU backend, and
-    object collectives (control messages, checkpoint plans) run on CPU tensors.
+    """Join the torchrun process group (or make a 1-rank one) on `device` (learner.device; cuda: RuntimeError with
+    the reason where it cannot be used). With CUDA the group is "cpu:gloo,cuda:nccl": object collectives run on CPU.
     """
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"learner.device: expected auto, cuda or cpu, got {device!r}")

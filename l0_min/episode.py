@@ -1,12 +1,8 @@
 """The records that flow from the rollout to the learner: Task -> Episode(steps) -> training rows.
 
-Token-in/token-out: a Step keeps the exact context ids sent to the inference server and the exact
-action ids and log-probs it returned. Within one context segment the context only grows, so
-
-    steps[i+1].context_ids == steps[i].context_ids + steps[i].action_ids + <observation ids>
-
-and the whole segment trains as one sequence: the last step's context + action, with every step's
-action span masked in (see `segment_rows`).
+A Step keeps the exact context ids sent and the action ids and log-probs returned. Within one context segment the
+context only grows (steps[i+1].context_ids == steps[i].context_ids + steps[i].action_ids + observation), so the
+segment trains as one sequence with every step's action span masked in (`segment_rows`).
 """
 
 from __future__ import annotations
@@ -166,12 +162,8 @@ def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> lis
 
 
 def training_rows(episodes: list[Episode], algo_cfg) -> list[Row]:
-    """Episodes (already scored: step.reward set) -> advantage-weighted training rows.
-
-    Advantages come from `algo.step_advantages` over the whole batch (REINFORCE++ by default), shaped
-    by `algo.shape_advantages`; `algo.sample_weights` sets per-episode weights (a masked episode keeps
-    its rows, with weight 0, so batch shape and statistics are unchanged).
-    """
+    """Scored episodes -> training rows: advantages by `algo.step_advantages` over the whole batch, shaped, and
+    weighted by `algo.sample_weights` (a masked episode keeps its rows, with weight 0)."""
     own = [[s for s in ep.steps if not s.prefix] for ep in episodes]  # an expert prefix is context, not the policy's
     advs = algo.step_advantages([[s.reward for s in steps] for steps in own], [ep.group for ep in episodes],
                                 algo_cfg.advantage, algo_cfg.gamma, algo_cfg.eps)
@@ -185,9 +177,8 @@ def training_rows(episodes: list[Episode], algo_cfg) -> list[Row]:
 
 
 def sft_rows(episodes: list[Episode]) -> list[Row]:
-    """Expert episodes -> rows for `Learner.train_step(rows, sft=True)`: advantage 1 on every action
-    token, so the DAPO loss -sum(mask * adv * logp) / (action tokens in the batch) is the mean negative
-    log-likelihood of the actions (the context and the observations are only conditioned on).
+    """Expert episodes -> rows for `Learner.train_step(rows, sft=True)`: advantage 1 on every action token, so the
+    DAPO loss is the mean negative log-likelihood of the actions.
 
     >>> r, = sft_rows([Episode(Task("t", "q", []), [Step([1, 2], [3, 4], [0.0, 0.0])])])
     >>> r.mask, r.adv

@@ -3,14 +3,9 @@ a resumable results file, per-question aggregates with confidence intervals, tab
 command line, and train.py / rollout.py summarise their held-out episodes with the same `summarize`.
 
 An evaluation folder (default `runs/eval/<bench>-<model>-<mode>`) holds run.json (what is evaluated; a rerun
-into the folder must match it, and then resumes), results.jsonl (one record per finished (question, sample),
-appended and flushed as each one finishes, and again once judged), trajectories.jsonl (agent mode: the
-Episode behind each record), summary.json, summary.md, config.yaml, server.log. A record:
-
-    {"id": "5a8b57f2", "sample": 0, "source": "hotpotqa", "question": "...", "answers": ["..."],
-     "prediction": "..." | null, "status": "answered", "answered": true, "steps": 3, "seconds": 12.5,
-     "error": "", "reward": 0.94, <the environment's scores: "core", its metrics ...>, "wall_s": 40.2,
-     "grade": "correct", "judge": "<judge model>", "judge_error": ""}     (the last three when judged)
+into the folder must match it, and then resumes), results.jsonl (one `record` per finished (question, sample),
+appended and flushed as each one finishes, and again once judged with "grade", "judge", "judge_error"),
+trajectories.jsonl (agent mode), summary.json, summary.md, config.yaml, server.log.
 """
 
 from __future__ import annotations
@@ -70,11 +65,8 @@ class JudgeParseError(ValueError):
 
 
 def parse_grade(reply: str) -> str:
-    """The grade in a judge reply: 'correct' | 'incorrect' | 'not_attempted'.
-
-    Accepts a bare letter, a letter with markup or a label ("**B**", "(A)", "Grade: C",
-    "A) CORRECT"), the label words (upper case), and ignores a leading <think>...</think>.
-    Raises JudgeParseError when no grade can be found.
+    """The grade in a judge reply (a letter, bare, with markup or a label, or the label words; a leading
+    <think>...</think> ignored), or JudgeParseError.
 
     >>> parse_grade("A"), parse_grade("**B**"), parse_grade("<think>It says A?</think>\\nGrade: C")
     ('correct', 'incorrect', 'not_attempted')
@@ -97,13 +89,10 @@ def parse_grade(reply: str) -> str:
 
 async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]], judge: str,
                        prompt: Callable[[str, list, str], str], retries: int = 1) -> dict:
-    """Grade a record's prediction with an LLM: {"grade": correct | incorrect | not_attempted | unparsed,
-    "judge": `judge` (the judge model's name, kept so that another judge grades again), "judge_error": ""}.
-    `prompt(question, golds, prediction)` is the environment's grader prompt (`TaskEnv.judge_prompt`);
-    `generate_text(prompt) -> reply` is any async text generator (a chat endpoint, the inference client).
-    An unanswered prediction is not attempted without a call. A reply that names no grade is asked again
-    up to `retries` times, then is "unparsed" (simple-evals would count it not attempted; here it is
-    counted apart and the summary says how many), quoted in judge_error."""
+    """Grade a record's prediction with an LLM: {"grade", "judge": `judge` (kept so that another judge grades
+    again), "judge_error"}, by `prompt(question, golds, prediction)` (`TaskEnv.judge_prompt`) and any async
+    `generate_text`. No answer: not attempted, without a call. A reply that names no grade is asked again up to
+    `retries` times, then is "unparsed" (counted apart, not as not attempted as simple-evals does)."""
     fields = {"grade": NOT_ATTEMPTED, "judge": judge, "judge_error": ""}
     if has_answer(rec["prediction"]):
         text = prompt(rec["question"], rec["answers"], rec["prediction"])
@@ -130,17 +119,10 @@ def read_results(path: str | Path) -> list[dict]:
 
 
 class ResultsFile(contextlib.AbstractContextManager):
-    """results.jsonl of an evaluation folder, opened for appending under an exclusive lock.
-
-        with ResultsFile(out / "results.jsonl") as results:
-            todo = [(t, s) for t in tasks for s in range(k) if (t.id, s) not in results.done]
-            results.append(record)          # one line, flushed: a kill loses nothing finished
-
-    `by_key` holds the latest record of each (id, sample): a later line replaces an earlier one (a retried
-    env_error, a judged record). `done` holds the finished keys: env_error samples (the sandbox or a tool
-    backend failed after the collector's retries, not the model) are not done, so a rerun retries them.
-    A torn last line is cut before appending. A second process on the folder gets an EvalError.
-    """
+    """results.jsonl of an evaluation folder, opened for appending (one flushed line a record) under an exclusive
+    lock: a second process on the folder gets an EvalError. `by_key`: the latest record of each (id, sample).
+    `done`: the finished keys; env_error samples (the sandbox or a tool failed, not the model) are not, so a rerun
+    retries them."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -194,8 +176,7 @@ def check_run_info(path: str | Path, info: dict) -> None:
 
 # ---------------------------------------------------------------------------------- statistics
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k (Chen et al. 2021): the chance that k of the n samples, drawn without
-    replacement, include one of the c correct ones. With k == n: 1.0 if any sample is correct.
+    """Unbiased pass@k (Chen et al. 2021): the chance that k of n samples include one of the c correct ones.
 
     >>> pass_at_k(4, 1, 4), pass_at_k(4, 0, 4), pass_at_k(4, 1, 1), pass_at_k(4, 2, 2)
     (1.0, 0.0, 0.25, 0.8333333333333334)
@@ -209,8 +190,7 @@ Z95 = 1.959963984540054  # the two-sided 95% quantile of the standard normal
 
 
 def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval (95% by default) of a proportion successes / n: unlike p +- z*se it
-    stays inside [0, 1] and is not empty at 0 or n successes.
+    """The Wilson score interval of successes / n: unlike p +- z*se, inside [0, 1] and not empty at 0 or n.
 
     >>> [round(x, 4) for x in wilson_interval(8, 10)], [round(x, 4) for x in wilson_interval(0, 10)]
     ([0.4902, 0.9433], [0.0, 0.2775])
@@ -223,10 +203,7 @@ def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, fl
 
 
 def two_proportion_z_test(c1: float, n1: int, c2: float, n2: int) -> tuple[float, float, float]:
-    """(difference p1 - p2, z, two-sided p-value) of the pooled two-proportion z-test, e.g. EM after vs
-    before training on n1 and n2 questions. Worked example: 60/100 vs 45/100 correct: pooled p =
-    105/200 = 0.525, se = sqrt(0.525 * 0.475 * (1/100 + 1/100)) = 0.07062, z = 0.15 / se = 2.124,
-    p = erfc(2.124 / sqrt 2) = 0.0337: significant at 5%.
+    """(p1 - p2, z, two-sided p-value) of the pooled two-proportion z-test, e.g. EM after vs before training.
 
     >>> [round(x, 4) for x in two_proportion_z_test(60, 100, 45, 100)]
     [0.15, 2.124, 0.0337]
@@ -242,17 +219,11 @@ def two_proportion_z_test(c1: float, n1: int, c2: float, n2: int) -> tuple[float
 # --------------------------------------------------------------------------------- the summary
 def summarize(records: list[dict], metrics: tuple[str, ...] | list[str], k: int | None = None,
               judged: bool = False) -> dict:
-    """Aggregate numbers of finished samples (pure, exact): the one summary of held-out results (evaluate.py,
-    train.py's and rollout.py's evaluations).
-
-    Each question weighs the same: a number is averaged over a question's samples, then over questions.
-    `metrics` are the environment's (its first is the headline: 0 or 1 per sample): each one's mean; the
-    headline's as "score" with "successes" (score x questions) and its 95% Wilson interval "score_ci" over
-    the questions (exact for one sample per question), and pass@k (k = min(k, the question's samples);
-    default: the most samples any question has). `judged`: the judge's rates (every record must then
-    carry a grade; "unparsed" ones count in no rate but their own). `steps` is None when a record has none
-    (direct mode). Records of several sources are also summarised per source, under "sources", with their
-    mean under "source_avg".
+    """The one summary of held-out results (evaluate.py, train.py, rollout.py). Each question weighs the same
+    (averaged over its samples, then over questions). `metrics`: the environment's, each one's mean; the first,
+    the headline (0 or 1 a sample), also as "score" with "successes", its 95% Wilson interval "score_ci" and
+    pass@k (k: by default the most samples any question has). `judged`: the judge's rates (every record needs a
+    grade). `steps` is None in direct mode. Several sources: also per source ("sources", mean "source_avg").
 
     >>> rec = lambda i, s, em, ans=True: {"id": i, "sample": s, "em": em, "answered": ans, "status": "answered",
     ...                                   "steps": 2, "reward": em}
@@ -304,10 +275,8 @@ def summarize(records: list[dict], metrics: tuple[str, ...] | list[str], k: int 
 
 
 def summarize_episodes(episodes: list[Episode], envs: dict) -> dict[str, dict]:
-    """Held-out episodes (train.py, rollout.py) summarised per environment, by its metrics, and with several
-    environments "all" too, whose headline is "solved" (each episode's own environment's headline was 1). Each
-    episode is a trial of its own (run.eval_samples of one task too: the policy's rate on the tasks is what a
-    step changes); masked episodes count as failures."""
+    """Held-out episodes summarised per environment and, with several, "all" (headline "solved"). Each episode is
+    a trial of its own (several samples of one task too); masked episodes count as failures."""
     recs = [record(ep) | {"solved": float(solved(ep, envs[ep.task.env])), "id": f"{ep.task.env}/{ep.task.id}#{i}"}
             for i, ep in enumerate(episodes)]
     names = sorted({ep.task.env for ep in episodes})
@@ -351,8 +320,7 @@ def _metrics(m: dict) -> list[str]:
 
 # -------------------------------------------------------------------------------------- tables
 def markdown_table(rows: list[dict]) -> str:
-    """One row per evaluation run (a summary.json's object): its environment's metrics (the headline with its
-    95% interval), the judge's columns where a row was judged, pass@k, answered, steps, wall time.
+    """One row per evaluation run (a summary.json's object).
 
     >>> m = summarize([{"id": "a", "sample": 0, "em": 1.0, "answered": True, "status": "answered", "steps": 2},
     ...                {"id": "b", "sample": 0, "em": 0.0, "answered": True, "status": "answered", "steps": 3}], ["em"])

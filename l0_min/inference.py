@@ -4,14 +4,11 @@ one code path drives SGLang on GPUs, an sglang-router, or the embedded CPU serve
     client = InferenceClient(["http://127.0.0.1:30000"], cfg.inference, max_connections=64)
     await client.wait_ready()                    # SGLang takes minutes to load: 503 until then
     gen = await client.generate(context_ids, {"max_new_tokens": 512, "temperature": 1.0, "stop": ["</code>"]})
-    await client.update_weights_from_disk("/abs/runs/x/weights/step_3", weight_version="3")
 
-Token-in/token-out: requests send `input_ids` with `return_logprob`, `no_stop_trim`, `skip_special_tokens=False`:
-the returned ids are all the sampled ids. An episode's requests (`episode_key`; X-SMG-Routing-Key through a
-router) go to one server, first the one with the fewest in flight; weight updates go to `inference.worker_urls`.
-Connection errors, timeouts and 5xx are retried with backoff until `down_after` seconds of outage (then
-InferenceError); a 4xx raises BadRequestError at once; a weight update is never re-sent: when its answer is lost,
-the worker's version is polled until it reports the new one.
+Requests send `input_ids` with `return_logprob`, `no_stop_trim`, `skip_special_tokens=False`: the returned ids are
+all the sampled ids. An episode's requests (`episode_key`) go to one server. Connection errors, timeouts and 5xx are
+retried until `down_after` seconds of outage; a 4xx raises BadRequestError at once; a weight update is never
+re-sent: when its answer is lost, the worker's version is polled until it reports the new one.
 """
 
 from __future__ import annotations
@@ -160,8 +157,7 @@ class InferenceClient:
         self._sticky: OrderedDict[str, _Server] = OrderedDict()  # episode key -> its server (LRU)
 
     async def generate(self, input_ids: list[int], sampling: dict) -> Generation:
-        """Sample a continuation of `input_ids`. `sampling` holds SGLang sampling_params (max_new_tokens,
-        temperature, top_p, top_k, stop, stop_token_ids, ...)."""
+        """Sample a continuation of `input_ids` under SGLang `sampling` params."""
         exact = isinstance(input_ids, list) and set(map(type, input_ids)) == {int}  # the usual case, one pass in C
         if not exact and not (isinstance(input_ids, list) and input_ids and all(isinstance(i, int) for i in input_ids)):
             raise ValueError("input_ids: expected a non-empty list of token ids")
@@ -238,9 +234,8 @@ class InferenceClient:
         return all(status == 200 for status in await asyncio.gather(*(self._probe(s, "/health") for s in self.servers)))
 
     async def wait_ready(self) -> float:
-        """Wait until every generation URL and worker answers GET /health with 200 (SGLang refuses
-        connections while it loads, then answers 503 while it warms up). Raises InferenceError naming the
-        URL on any other answer, or when inference.ready_timeout passes. Returns the seconds waited."""
+        """The seconds until every server and worker answered GET /health with 200 (SGLang refuses connections, then
+        answers 503 while it loads); InferenceError on any other answer or past inference.ready_timeout."""
         t0 = time.monotonic()
 
         async def one(server: _Server):

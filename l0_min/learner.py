@@ -1,21 +1,12 @@
-"""The FSDP2 learner: shard a Hugging Face causal LM, take on-policy steps, export, checkpoint.
+"""The FSDP2 learner: shard a Hugging Face causal LM, take on-policy steps, export, checkpoint (SPMD: every rank
+runs the same code; `train_step` takes this rank's share of the global batch).
 
-    learner = Learner(model_path, cfg.learner, cfg.algo, total_steps=cfg.run.steps, temperature=T)
-    stats = learner.train_step(my_rows)          # every rank, its share of the global batch
-    learner.export_hf(folder, dtype="bfloat16")  # every rank (collective); rank 0 writes
-    learner.save(ckpt_dir, extra) / learner.load(ckpt_dir)
-
-Each rank runs the same code (SPMD). The model is built on the meta device, `fully_shard` wraps the decoder layers
-(`fsdp_unit` at a time), then the root; rank 0 alone reads the checkpoint and broadcasts it, shard by shard.
-Micro-batches are packed: rows are concatenated into one sequence of at most `micro_batch_tokens` with position ids
-restarting per row, attention stays within each row (`packed_sdpa`, `packed_varlen`): no padding, no dense mask
-(bench/learner.py: it cost 2x at 4k-token micro-batches). On the varlen path a step reads nothing back from the
-device until its end (shapes are worked out on the host, sums stay on the device; `packed_sdpa` reads each layer's
-row bounds). The GPU speed paths are `apply_*` functions composed in `_build` (torchtitan's style).
-
-Log-probs are those of the distribution the sampler drew from: log_softmax(logits / T) at the sampling
-temperature T (SGLang's default; top-p / top-k truncation is not modelled). The LM head computes them in chunks
-of action positions (`LogProbHead`): no [tokens, vocab] fp32 tensor exists.
+The model is built on the meta device, `fully_shard` wraps `fsdp_unit` decoder layers at a time, then the root; rank 0
+alone reads the checkpoint and broadcasts it. Micro-batches are packed: rows concatenated into one sequence of at most
+`micro_batch_tokens`, attention within each row (`packed_sdpa`, `packed_varlen`): no padding, no dense mask (it cost 2x
+at 4k tokens, bench/learner.py). The GPU speed paths are `apply_*` functions composed in `_build` (torchtitan's style).
+Log-probs are those the sampler drew from, log_softmax(logits / T) (top-p / top-k not modelled), computed by the LM
+head in chunks of action positions (`LogProbHead`): no [tokens, vocab] fp32 tensor exists.
 """
 
 from __future__ import annotations
@@ -48,12 +39,9 @@ from l0_min.episode import Row
 
 # --------------------------------------------------------------------------------------- memory
 def memory_estimate(config, n_params: int, n_train: int, cfg: LearnerConfig, world: int, mixed: bool, ref: bool) -> dict:
-    """GiB per rank at its peak, by part: fp32 masters, their gradients and AdamW's two moments (4 + 4 + 8 B per
-    trained parameter) and the KL reference in the compute dtype (a B), sharded over the ranks; the gathered compute
-    copies (the root and two units in flight; all of them with reshard=false); one micro-batch of t tokens: what
-    checkpointing keeps of each layer (its input under full), then the larger of one layer's recompute and backward
-    ((8 h + 5 i) a per token) and the LM head's chunk (its logits, their fp32 softmax and gradient: (a + 9) B per
-    vocabulary entry), with the head's fp32 dW and dh. Within -0.02..+0.65 GiB of the 10 peaks measured (README)."""
+    """GiB per rank at its peak, by part: fp32 masters, gradients, AdamW's moments, the KL reference (sharded); the
+    gathered copies (root and two units in flight); a micro-batch's activations (what checkpointing keeps, then the
+    larger of a layer's backward and the head's chunk). Within -0.02..+0.65 GiB of 10 measured peaks (README)."""
     h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     a, t, v, kv = 2 if mixed else 4, cfg.micro_batch_tokens, config.vocab_size, config.num_key_value_heads
     kv *= getattr(config, "head_dim", None) or h // config.num_attention_heads
@@ -87,9 +75,8 @@ def check_memory(parts: dict, device: torch.device, tokens: int) -> None:
 
 # -------------------------------------------------------------------------------------- packing
 def pack_rows(rows: list[Row], budget: int, balance: bool = True) -> list[list[Row]]:
-    """Rows into as few micro-batches of at most `budget` tokens as first-fit-decreasing finds (here [[12], [6, 3, 1],
-    [5, 2]]), spread as evenly as the budget allows (longest first, each to the emptiest; as verl does): a pass has
-    fixed costs, so 65,536 tokens at 32,768 make 3 of ~21.8k, not 32.6k, 32.5k and 0.4k. A row over budget is alone.
+    """Rows into as few micro-batches of at most `budget` tokens as first-fit-decreasing finds, spread as evenly as
+    the budget allows (as verl does: a pass has fixed costs). A row over budget is alone.
 
     >>> r = lambda n: Row([0] * n, [0.0] * n, [0.0] * n, [0.0] * n)
     >>> [[len(x) for x in mb] for mb in pack_rows([r(6), r(3), r(5), r(2), r(12), r(1)], 10)]
@@ -277,9 +264,8 @@ def _dlogits(z: torch.Tensor, lse: torch.Tensor, targets: torch.Tensor, g: torch
 
 
 class _LinearLogProb(torch.autograd.Function):
-    """log p(target) = z[target] - logsumexp(z), z = (h W^T + b) / T, chunk by chunk. The forward keeps h, the
-    targets and one logsumexp per position; the backward recomputes each chunk's logits and multiplies
-    `_dlogits` into dh and dW (summed over chunks in fp32). One [chunk, vocab] block exists at a time."""
+    """log p(target) = z[target] - logsumexp(z), z = (h W^T + b) / T, chunk by chunk; the backward recomputes each
+    chunk's logits. One [chunk, vocab] block exists at a time."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, targets, inv_t, chunk, kernels):
@@ -310,11 +296,9 @@ class _LinearLogProb(torch.autograd.Function):
 
 
 class LogProbHead(torch.nn.Linear):
-    """An LM head that returns log p(target) at temperature T instead of logits (same weights and names:
-    `model.lm_head.__class__ = LogProbHead`), inside the model's forward, so FSDP2 has the root's weights
-    gathered. One [chunk, vocab] block at Qwen's vocabulary is 1.2 GB, where full fp32 logits of a 32k-token
-    micro-batch were ~20 GB, twice. `token_logprobs` sets `targets` and `inv_t`; `apply_compile` compiles
-    `kernels`, the chunk's elementwise steps."""
+    """An LM head (same weights and names) that returns log p(target) at temperature T instead of logits, inside the
+    model's forward, so FSDP2 has the root's weights gathered; full fp32 logits of a 32k-token micro-batch were ~20 GB.
+    `token_logprobs` sets `targets` and `inv_t`; `apply_compile` compiles `kernels`."""
 
     chunk = 2048
     targets: torch.Tensor
@@ -337,10 +321,8 @@ def packing(pos: torch.Tensor, need: torch.Tensor | None = None) -> tuple[torch.
 
 def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tensor | None = None,
                    temperature: float = 1.0, packed: tuple | None = None) -> torch.Tensor:
-    """log p(ids[t] | ids[<t]) at `temperature` for a packed sequence, at the positions `need` marks (default: all;
-    `packed`: `packing(pos, need)` worked out ahead), as a tensor as long as `ids` (0 elsewhere). The lm_head must be a
-    LogProbHead; only the needed positions go through it: all logits of every context token were ~20% of the FLOPs.
-    """
+    """log p(ids[t] | ids[<t]) at `temperature` of a packed sequence at the positions `need` marks (default: all;
+    `packed`: `packing(pos, need)` worked out ahead), 0 elsewhere. Only those go through the LogProbHead lm_head."""
     cu, longest, idx = packing(pos, need) if packed is None else packed  # idx: t; their logits are t - 1's
     head = model.lm_head
     head.targets, head.inv_t = ids[idx], 1.0 / (temperature or 1.0)  # T = 0 (greedy): the raw distribution
@@ -407,10 +389,9 @@ def _save_matmuls(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: str | bool) -> None:
-    """learner.activation_checkpointing: recompute each decoder layer in backward. "full" keeps the layer's
-    input only (hidden floats per token and layer); "selective" also keeps the matmul and attention outputs
-    and recomputes the elementwise chains (norms, RoPE, SwiGLU): less recompute, but q, k, v, attention, o,
-    gate, up and down outputs per token and layer (~15x hidden at Qwen2.5's shapes). true/false: full/none."""
+    """learner.activation_checkpointing: recompute each decoder layer in backward. "full" keeps the layer's input;
+    "selective" also the matmul and attention outputs (~15x hidden per token at Qwen2.5's shapes), recomputing
+    only the elementwise chains. true/false: full/none."""
     mode = {True: "full", False: "none"}.get(mode, mode)
     sac = {"context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
     policies = {"none": None, "full": {}, "selective": sac}
@@ -421,9 +402,8 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: str | bool) -> 
 
 
 def apply_compile(model: torch.nn.Module, backend: str) -> None:
-    """learner.compile: torch.compile each decoder layer's forward (its activation checkpointing inside, FSDP's
-    hooks outside, as torchtitan does) and the LM head's elementwise kernels, with dynamic shapes (a new packed
-    length does not recompile; the layers share one compiled graph). "inductor" on GPUs; "none" off."""
+    """learner.compile: torch.compile each decoder layer's forward (checkpointing inside, FSDP's hooks outside, as
+    torchtitan does) and the LM head's kernels, with dynamic shapes (a new packed length does not recompile)."""
     if backend == "none":
         return
     compile = functools.partial(torch.compile, backend=backend, dynamic=True)
@@ -514,16 +494,10 @@ class Learner:
 
     # -- one RL update -------------------------------------------------------------------------
     def train_step(self, rows: list[Row], sft: bool = False) -> dict:
-        """One update from this rank's rows (`ppo_epochs` optimizer steps when > 1).
-
-        RL: the sampler is the behaviour policy. Row.old_logp holds each action token's sampler log-prob
-        ("behav"); the learner's own log-prob at the start of the step is "prox". Token t's gradient is
-        w_t * A_t * grad log p_t with w_t = min(prox / behav, algo.tis_cap) times the algo.mask_band mask
-        (loss.behaviour_weights): the decoupled objective, plain REINFORCE where sampler and learner agree.
-        With ppo_epochs > 1 the PPO ratio is taken against prox. SFT (`sft=True`, rows with advantage 1 on the
-        action tokens): the log-likelihood of the action tokens, normalised like the RL loss, without behaviour
-        correction (the tokens are an expert's).
-        """
+        """One update from this rank's rows (`ppo_epochs` optimizer steps). RL: token t's gradient is w_t * A_t *
+        grad log p_t, w_t the behaviour correction of the sampler's log-prob (Row.old_logp) against the learner's
+        at the start of the step, "prox" (loss.behaviour_weights); PPO's ratio is against prox. SFT: the actions'
+        log-likelihood, normalised like the RL loss, without correction."""
         t0 = time.perf_counter()
         a = self.algo
         # DAPO: normalise by the action tokens of the WHOLE global batch (all ranks, micro-batches)
@@ -585,9 +559,8 @@ class Learner:
         return stats
 
     def _correct(self, b: dict, stats: dict, gap: dict) -> dict:
-        """The behaviour correction of micro-batch `b` (loss.behaviour_weights): its mask times the truncated
-        importance weights and the band's keep; the counts of what it did go into `stats`, the sampler/learner gap
-        (loss.mismatch) into the returned `gap`. Sums stay on the device (no sync per micro-batch)."""
+        """Micro-batch `b`'s mask times its behaviour correction (loss.behaviour_weights), counted in `stats`; returns
+        `gap` plus its loss.mismatch. Sums stay on the device (no sync per micro-batch)."""
         a, on = self.algo, b["mask"] > 0
         w, keep = losses.behaviour_weights(b["prox"], b["old"], a.tis_cap, tuple(a.mask_band) if a.mask_band else None,
                                            b["chunk"] if a.ratio_level == "chunk" else None)  # fmt: skip

@@ -1,20 +1,10 @@
 """What a training run leaves on disk, and the numbers it prints and plots.
 
-A run folder (`RunDir`) looks like this:
+A run folder (`RunDir`) holds config.yaml, metrics.jsonl (one JSON object per step), trajectories/step_00001.jsonl
+(one Episode.to_json() a line), checkpoints/, plots/rewards.png, viewer.html and viewer.json (l0_min.viewer).
 
-    runs/<name>/
-      config.yaml                 the resolved config (written by the caller with l0_min.config.save)
-      metrics.jsonl               one JSON object per RL step: {"step": 1, "reward": 0.41, ...}
-      trajectories/step_00001.jsonl   one Episode.to_json() per line, every episode of that step
-      checkpoints/
-      plots/rewards.png           plot_rewards(metrics.jsonl)
-      viewer.html                 l0_min.viewer.write_viewer(run folder): browse the trajectories
-      viewer.json                 which trajectories files viewer.html holds (it is appended to, step by step)
-
-`batch_metrics(episodes)` turns one step's episodes into flat named numbers; `MetricsLogger` appends
-them to metrics.jsonl (and to TensorBoard / Weights & Biases when asked for and installed);
-`format_step_row` is the one-line-per-step table that train.py prints under `step_header`. `log_step` is
-rank 0's whole per-step record in train.py; its cost is the step's, not the run's (bench/step_logging.py).
+`batch_metrics` turns one step's episodes into flat named numbers, `MetricsLogger` appends them to metrics.jsonl
+(and TensorBoard / Weights & Biases), `format_step_row` prints them; `log_step` is rank 0's whole per-step record.
 """
 
 from __future__ import annotations
@@ -117,27 +107,9 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
-    """Flat, named statistics of one RL step's episodes (pure: no I/O, no clock).
-
-    Rewards are means over the episodes that train (not `masked`), a component over those that report
-    it; everything else counts all episodes, masked ones included: failures are what those are for.
-
-    keys:
-      episodes, masked                        counts
-      reward, reward/core, reward/format,     means over non-masked episodes (None if all masked)
-        reward/exec, reward/em, reward/f1, ... (every numeric key found in Episode.rewards)
-      env/<env>/reward, env/<env>/<metric>    the same per environment, when the episodes are of several
-                                              (`envs`: name -> TaskEnv, for their metrics' names)
-      status/<status>                         count per status (every known status, zeros included)
-      answered_rate                           status == "answered" / episodes
-      steps_per_ep/mean, steps_per_ep/max     agent steps per episode
-      tokens_per_ep/mean, tokens_per_ep/max   sampled action tokens per episode
-      tools/<tool>                            sum of Episode.tool_calls
-      exec_steps                              steps that ran code (exec_ok is not None)
-      exec_error_rate                         steps with exec_ok False / exec_steps (None if 0)
-      truncations                             sum of context rebuilds
-      resample/k<k>/episodes, /solved         episodes started from k expert steps, and how many of them solved it
-      weight_versions                         sorted distinct policy versions of episodes and steps
+    """Flat, named statistics of one RL step's episodes (pure). Rewards ("reward", "reward/<key>" of every number
+    in Episode.rewards; per environment "env/<env>/..." when there are several) are means over the episodes that
+    train (not `masked`); everything else counts all episodes, masked ones included: failures are what those are for.
 
     >>> from l0_min.episode import Step, Task
     >>> ep = Episode(Task("t", "q", ["a"]), [Step([], [1, 2], [0, 0], exec_ok=False)], status="answered",
@@ -219,12 +191,8 @@ def _jsonable(v):
 
 
 class MetricsLogger:
-    """Append one JSON line per step to metrics.jsonl, and mirror the numbers to optional sinks.
-
-    metrics.jsonl is always written and is the source of truth. TensorBoard (cfg.tensorboard, needs
-    the `tensorboard` package) and Weights & Biases (cfg.wandb, needs `wandb`) get the numeric values
-    only; a sink that is asked for but cannot start prints one warning line and is skipped.
-    """
+    """Append one JSON line per step to metrics.jsonl (the source of truth), and mirror the numbers to TensorBoard
+    and Weights & Biases where asked for; a sink that cannot start prints one warning line and is skipped."""
 
     def __init__(self, run_dir: RunDir | str | Path, cfg=None, config: dict | None = None):
         from l0_min.config import LogConfig
@@ -286,10 +254,8 @@ class MetricsLogger:
 
 def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episodes: list[Episode],
              viewer_max_per_step: int | None = None, table: tuple = ((), {})) -> None:
-    """Rank 0's record of one RL step (train.py): its metrics, its trajectories file, its row of the table
-    (`table`: the training environments' names and the environments, as for `step_header`), the plot and
-    the viewer (appended to: l0_min.viewer)."""
-
+    """Rank 0's record of one RL step (train.py): metrics, trajectories file, table row (`table`: the arguments of
+    `step_header`), plot and viewer."""
     logger.log(step, metrics)
     run.write_trajectories(step, episodes)
     print(format_step_row(step, metrics, *table), flush=True)
@@ -299,10 +265,8 @@ def log_step(run: RunDir, logger: MetricsLogger, step: int, metrics: dict, episo
 
 # ----------------------------------------------------------------------------------------- plot
 def plot_rewards(metrics_jsonl: str | Path, out_png: str | Path) -> Path:
-    """Three panels against the learner step (an SFT step or an RL step; records say which in "phase"):
-    the held-out score at each evaluation ("eval/score" sampled, "eval/greedy/score" greedy, with 95% intervals;
-    "eval/<env>/score" per environment of a mixed run) over the shaded SFT and RL phases; the training signal
-    (SFT loss, RL reward); the RL steps' rates."""
+    """Three panels against the learner step (SFT and RL phases shaded): the held-out scores with their 95%
+    intervals (sampled, greedy, per environment), the training signal (SFT loss, RL reward), the RL steps' rates."""
     from matplotlib.figure import Figure  # no pyplot: no global backend, safe in any process
     from matplotlib.ticker import MaxNLocator
 

@@ -8,18 +8,11 @@ import torch
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimators on tokens sampled from pi (Schulman's k1, k2, k3).
-
-    With log-ratio d = logp - ref_logp:  k1 = d,  k2 = d^2 / 2,  k3 = exp(-d) - 1 + d  (>= 0,
-    unbiased, low variance; L0 used k3 with coefficient 0.001).
+    """Per-token KL(pi || pi_ref) estimators on tokens sampled from pi (Schulman's k1, k2, k3; L0 used k3).
 
     >>> lp, ref = torch.tensor([-1.0, -2.0]), torch.tensor([-2.0, -2.0])
-    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k1").tolist()]
-    [1.0, 0.0]
-    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k2").tolist()]
-    [0.5, 0.0]
-    >>> [round(x, 6) for x in kl_penalty(lp, ref, "k3").tolist()]
-    [0.367879, 0.0]
+    >>> [[round(x, 6) for x in kl_penalty(lp, ref, k).tolist()] for k in ("k1", "k2", "k3")]
+    [[1.0, 0.0], [0.5, 0.0], [0.367879, 0.0]]
     """
     d = logp - ref_logp
     if estimator == "k1":
@@ -58,29 +51,22 @@ def chunk_mean(x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
 
 def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor,
                 n_tokens_global: float, clip_eps: float | None = None, chunk: torch.Tensor | None = None) -> torch.Tensor:
-    """DAPO token-level policy-gradient loss: the sum over action tokens divided by the number of
-    action tokens in the WHOLE global batch (all micro-batches, all ranks), so long and short
-    trajectories weigh per token, and micro-batching does not change the gradient.
-
-    Strictly on-policy (clip_eps None, the paper's setting): loss = -sum(mask * A * logp) / N, the
-    REINFORCE form; its gradient equals the PPO surrogate's at ratio 1.
-    With clip_eps (PPO, more than one optimizer step per batch): ratio = exp(logp - old_logp),
-    loss = -sum(mask * min(ratio * A, clip(ratio, 1-eps, 1+eps) * A)) / N.
+    """DAPO token-level policy-gradient loss: the sum over action tokens divided by the action tokens of the WHOLE
+    global batch, so trajectories weigh per token and micro-batching does not change the gradient. clip_eps None
+    (on-policy): -sum(mask * A * logp) / N; else PPO's -sum(mask * min(ratio * A, clip(ratio) * A)) / N.
 
     >>> lp = torch.tensor([-1.0, -2.0, -3.0])
     >>> round(policy_loss(lp, lp, torch.tensor([1.0, 1.0, -2.0]), torch.tensor([1.0, 1.0, 0.0]), 4.0).item(), 6)
     0.75
 
-    Token 1's ratio e^-1 = 0.37 with A = -1: min(-0.37, clip(0.37) * -1 = -0.8) = -0.8, so the
-    surrogates are [-1, -0.8, 1] and the loss is -(-0.8) / 3:
+    Token 1's ratio e^-1 = 0.37 with A = -1: min(-0.37, clip(0.37) * -1) = -0.8; surrogates [-1, -0.8, 1]:
 
     >>> old = torch.tensor([-1.0, -1.0, -3.0])
     >>> round(policy_loss(lp, old, torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 3.0, 0.2).item(), 6)
     0.266667
 
-    With `chunk` (algo.ratio_level chunk: `chunks(mask)`) a token's ratio is its chunk's, the geometric mean
-    exp(mean(logp - old_logp)) over the chunk, clipped as one (GSPO's sequence ratio, per agent step). Tokens 0-1
-    are one chunk of ratio exp(-1/2) = 0.61, clipped to 0.8 for A = -1: surrogates [-0.8, -0.8, 1], loss 0.6 / 3:
+    With `chunk` (`chunks(mask)`) a token's ratio is its chunk's geometric mean, clipped as one (GSPO's sequence
+    ratio, per agent step): tokens 0-1 have exp(-1/2) = 0.61, clipped to 0.8: surrogates [-0.8, -0.8, 1]:
 
     >>> round(policy_loss(lp, old, torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3), 3.0, 0.2,
     ...                   torch.tensor([0, 0, 1])).item(), 6)
@@ -97,21 +83,17 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor, m
 # ---- the behaviour policy: the sampler's log-probs (behav) against the learner's at the start of the step (prox)
 def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: float = 0.0,
                       band: tuple[float, float] | None = None, chunk: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token correction for tokens the sampler drew: (weight, keep).
-
-    ratio = pi_prox / pi_behav = exp(prox_logp - behav_logp), where prox is the learner's weights at
-    the start of the step and behav the sampler that generated the token (an older version under
-    overlap, and other kernels and precision on GPUs). Truncated importance sampling (verl, slime,
-    SkyRL): weight = min(ratio, cap); cap 0 turns it off (weight 1, the plain on-policy gradient).
-    IcePop-style masking: keep = 0 where the ratio is outside `band` = (low, high), else 1.
+    """Per-token correction for tokens the sampler drew: (weight, keep), from ratio = pi_prox / pi_behav.
+    Truncated importance sampling: weight = min(ratio, cap) (cap 0: weight 1); IcePop-style masking: keep = 0
+    where the ratio is outside `band` = (low, high).
 
     >>> prox, behav = torch.tensor([-1.0, -1.0, -1.0]), torch.tensor([-1.0, -2.0, -0.2])
     >>> w, keep = behaviour_weights(prox, behav, cap=2.0, band=(0.5, 2.0))
     >>> [round(x, 6) for x in w.tolist()], keep.tolist()
     ([1.0, 2.0, 0.449329], [1.0, 0.0, 0.0])
 
-    Per chunk (`chunk`, ROLL's IPA): one ratio per agent step, the geometric mean of its tokens' (here tokens 0-1:
-    exp(1/2) = 1.65, inside the band; token 2 alone, 0.45, outside): a chunk is weighted and masked whole.
+    Per chunk (`chunk`, ROLL's IPA): one ratio per agent step, the geometric mean of its tokens', weighted and
+    masked whole:
 
     >>> w, keep = behaviour_weights(prox, behav, cap=2.0, band=(0.5, 2.0), chunk=torch.tensor([0, 0, 1]))
     >>> [round(x, 6) for x in w.tolist()], keep.tolist()
@@ -124,9 +106,8 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: fl
 
 
 def mismatch(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """How far the sampler's log-probs are from the learner's on the action tokens (mask > 0): the mean and max
-    |log ratio| and k3 = exp(d) - 1 - d with d = prox - behav, an unbiased estimate of KL(sampler || learner) from
-    the sampler's own tokens. Sums and counts (0-dim tensors: read once a step), so ranks can add them.
+    """How far the sampler's log-probs are from the learner's on the action tokens: sums (0-dim tensors, so ranks
+    can add them) of |log ratio| and of k3 = exp(d) - 1 - d (d = prox - behav, an estimate of KL(sampler || learner)).
 
     >>> m = mismatch(torch.tensor([-1.0, -1.0, -1.0, 0.0]), torch.tensor([-1.0, -2.0, -0.2, 5.0]), torch.tensor([1.0, 1, 1, 0]))
     >>> {k: round(float(v), 6) for k, v in m.items()}

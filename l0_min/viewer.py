@@ -3,16 +3,10 @@
     python -m l0_min.viewer runs/my_run            # writes runs/my_run/viewer.html
     python -m l0_min.viewer a.jsonl b.jsonl --out view.html
 
-Episodes come from trajectories/*.jsonl (one Episode.to_json() per line), grouped by file (one RL
-step each). For a run folder the page grows: a call renders only the files that are new since the last
-one (`viewer.json` beside the page records them) and writes them over the page's closing script, so
-train.py's call after every step costs that step's episodes, not the whole run's; a file that changed
-(a resumed run rewrote it) rebuilds the page. The filter bar is built by the page's script from the
-episodes it holds. Every piece of trajectory text is HTML-escaped on the Python side and the page's own
-script only toggles `hidden` and `open`: nothing an agent printed is ever parsed as markup or run.
-The page loads no network resources. Filters live in the URL hash, so a view can be linked:
-
-    viewer.html#status=answered,timeout&step=step_00003&open=all
+For a run folder the page grows: a call renders only the trajectories files new since the last one (`viewer.json`
+records them), so train.py's call after every step costs that step's episodes; a changed file rebuilds the page. All
+trajectory text is HTML-escaped here and the page's script only toggles `hidden` and `open`: nothing an agent printed
+is parsed as markup or run; no network resources. Filters live in the URL hash (`#status=answered&open=all`).
 """
 
 from __future__ import annotations
@@ -149,10 +143,8 @@ def _group_html(name: str, eps: list[dict], total: int) -> str:
 
 
 def write_viewer(src, out_html: str | Path, max_episodes_per_step: int | None = None, title: str | None = None) -> Path:
-    """Write a self-contained HTML viewer of the episodes in `src` (a run folder's trajectories/*.jsonl, a
-    folder of .jsonl files, one .jsonl file, or a list of them) to `out_html`. max_episodes_per_step keeps the
-    first N episodes of each file (whole groups come first, as collected; None or 0: all), to keep the page
-    small for large batches. For one folder, only files new since the last call are read and appended."""
+    """Write a self-contained HTML viewer of the episodes in `src` (a run folder, a folder of .jsonl files, one
+    file, or a list of them) to `out_html`, the first `max_episodes_per_step` of each file (None or 0: all)."""
     files, out_html, limit = _jsonl_files(src), Path(out_html), max_episodes_per_step or None
     folder = Path(src) if isinstance(src, (str, Path)) and Path(src).is_dir() else None  # its page grows
     title = title or (Path(src).name if isinstance(src, (str, Path)) else f"{len(files)} files")

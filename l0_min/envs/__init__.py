@@ -5,8 +5,8 @@ and how an episode is scored. The agent loop, the collector, the learner and the
     tasks = env.tasks("synthetic:train")     # Task(env="math", ...): each task names its environment
     load_sources(cfg.data.train, cfg)        # several sources, each with its environment and weight
 
-A module is an environment when it defines `make_env(cfg) -> TaskEnv`; subclassing `TaskEnvBase` leaves a
-fork only what differs. The smallest complete one is in the README ("Write your own environment").
+A module is an environment when it defines `make_env(cfg) -> TaskEnv` (`TaskEnvBase` has the defaults; README
+"Write your own environment").
 """
 
 from __future__ import annotations
@@ -116,8 +116,7 @@ def solved(ep: Episode, env: TaskEnv) -> bool:
 
 
 def load_sources(sources, cfg, limit: int | None = None) -> tuple[list[list[Task]], list[float], dict[str, TaskEnv]]:
-    """Each source's tasks (tagged with their environment), the sources' weights, the environments by name.
-    An error names the source."""
+    """Each source's tasks (tagged with their environment), the sources' weights, the environments by name."""
     envs, names, parts = {}, {}, []  # name -> environment (tasks carry its name); spec -> name
     for s in sources:
         spec = s.env or cfg.env
@@ -190,11 +189,9 @@ def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: 
 
 
 class ExpertPolicy:
-    """The environments' experts behind the Policy interface, so expert episodes run through the real agent
-    loop, kernels and tools like sampled ones (their observations are real). An episode's task is found by
-    its id in the episode key the agent sets; its step by the calls made for that episode. Log-probs are 0.
-    With `then` (a policy), an episode's first `steps` actions are the expert's and the rest `then`'s: the
-    episode starts from a known trajectory's state (chunk-initialization resampling, collect.run_one)."""
+    """The environments' experts behind the Policy interface, so expert episodes run through the real agent loop,
+    kernels and tools (log-probs 0). With `then` (a policy), an episode's first `steps` actions are the expert's and
+    the rest `then`'s (chunk-initialization resampling, collect.run_one)."""
 
     def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None,
                  steps: int = 0):  # fmt: skip

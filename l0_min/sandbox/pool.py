@@ -1,18 +1,13 @@
-"""A pool of started kernels: one kernel per episode, destroyed after it (a clean environment
-for every episode).
+"""A pool of started kernels: one kernel per episode, destroyed after it (a clean environment for every episode).
 
     pool = KernelPool(cfg.sandbox, cfg.kernel, tool_server)
-    await pool.start()           # starts prewarming kcfg.pool_size kernels in the background
-    k = await pool.acquire()     # a started kernel: microseconds when one is ready
-    ...                          # one episode
-    await pool.release(k)        # shut it down; it is never reused
+    await pool.start()                            # prewarms pool_size kernels in the background
+    k = await pool.acquire(); ...; await pool.release(k)   # never reused
     await pool.close()
 
-The pool keeps `pool_size` kernels ready or starting, plus one more per waiting `acquire`, so a
-replacement starts as soon as a kernel is taken, and a burst of acquires starts kernels for all
-of them. At most `max_starting` kernels start at once (a start: ~0.3 s CPU importing IPython, ~0.5 s wall).
-A failed start is retried with exponential backoff; after `start_retries` failures in a row the
-waiting `acquire` raises KernelStartError with the last error. `stats` counts what happened.
+It keeps `pool_size` kernels ready or starting, plus one per waiting `acquire`, at most `max_starting` starting at
+once. A failed start is retried with backoff; after `start_retries` failures in a row the waiting `acquire` raises
+KernelStartError with the last error. `stats` counts what happened.
 """
 
 from __future__ import annotations

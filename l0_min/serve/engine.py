@@ -82,19 +82,12 @@ class Sequence:
 
 
 # ------------------------------------------------------------------------------------- sampling
-
-
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
            min_p: torch.Tensor, greedy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of `logits` [B, V]; return (token ids [B], their log-probs [B]).
-
-    Greedy rows take the argmax. Other rows sample from softmax(logits / temperature) restricted to
-    the top_k most likely tokens, the smallest set whose mass reaches top_p, and tokens with at least
-    min_p times the top probability. The log-prob is that of softmax(logits / temperature) in fp32, before
-    that renormalisation (SGLang's default, what the learner computes; greedy rows: of softmax(logits)).
-    Without a restriction a row samples by inverting its fp32 cumulative distribution with one uniform
-    number (torch.multinomial draws one exponential per vocabulary entry).
-    """
+    """(token ids [B], their log-probs [B]) of one token per row of `logits` [B, V]: greedy rows the argmax, others
+    sampled under top_k, top_p and min_p. The log-prob is of softmax(logits / temperature) before that truncation
+    (SGLang's default, what the learner computes). Without truncation a row inverts its fp32 cumulative
+    distribution with one uniform number (torch.multinomial draws one exponential per vocabulary entry)."""
     logits, rows = logits.float(), ~greedy  # below, no pass over B x V (2-4 ms at 64 x 49k) that changes nothing
     t = torch.where(greedy, 1.0, temperature)
     logp = torch.log_softmax(logits if bool((t == 1.0).all()) else logits / t[:, None], dim=-1)
@@ -119,8 +112,6 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------ the radix cache
-
-
 def _common(a: list[int], b: list[int], start: int, limit: int) -> int:
     """How many leading tokens of `a` equal b[start:limit] (a binary search over list slices: C speed)."""
     lo, hi = 0, min(len(a), limit - start)
@@ -141,13 +132,10 @@ class _Node:
 
 
 class RadixCache:
-    """Keys/values of token sequences the engine computed, in a radix tree over token ids (SGLang's
-    RadixAttention, on the CPU): a prompt that starts like an earlier sequence (an agent's next turn is
-    its previous context + action + observation; a burst of agents shares a system prompt) copies that
-    prefix instead of computing it. A node holds its edge's ids and their keys/values [layers, 2, kv_heads,
-    n, head_dim]; a prefix shared by many sequences is held once. Least recently used leaves go beyond
-    `max_tokens`, leaves a lookup took whole first (the batch holds them now, until the sequence comes back
-    longer). Entries are for the current weights only: `clear()` on weight updates."""
+    """Keys/values of sequences the engine computed, in a radix tree over token ids (SGLang's RadixAttention): a
+    prompt that starts like an earlier sequence (an agent's next turn) copies that prefix instead of computing it.
+    A node holds its edge's ids and keys/values [layers, 2, kv_heads, n, head_dim]. Least recently used leaves go
+    beyond `max_tokens`, leaves a lookup took whole first (the batch holds them now). `clear()` on weight updates."""
 
     def __init__(self, max_tokens: int):
         self.max_tokens, self.tokens, self.clock = max_tokens, 0, 0
@@ -208,13 +196,10 @@ def trim_heap() -> None:
 
 
 # --------------------------------------------------------------------------- the running batch
-
-
 class BatchKV(DynamicCache):
-    """The batch's keys/values (layout in the module doc), as the cache of a forward (`Engine.cache_arg`): the model
-    hands each layer's new keys/values to `update`, which writes them at `cols` [B, T] of rows `first`..
-    and returns those rows' first `width` columns (the engine's 4D mask hides what a token must not see).
-    transformers' own cache layers are not used: their API differs between 4.x and 5.x."""
+    """The batch's keys/values (module doc) as a forward's cache: `update` writes a layer's new ones at `cols` [B, T]
+    of rows `first`.. and returns those rows' first `width` columns (the 4D mask hides what a token must not see).
+    Not transformers' own cache layers: their API differs between 4.x and 5.x."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__()
@@ -254,10 +239,9 @@ GQA_ATTENTION = "l0_gqa_sdpa"
 
 
 def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers' "sdpa" attention with grouped-query heads left to the kernel (transformers repeats K/V
-    to every query head whenever a mask is given: on CPU a copy of the whole cache per layer). A decode
-    step (one query per row) folds the query heads of a K/V head into query rows of it: one kernel call
-    without `enable_gqa`, ~20% faster on CPU at 64 rows x 600 columns."""
+    """transformers' "sdpa" attention with grouped-query heads left to the kernel (transformers repeats K/V to every
+    query head when a mask is given: a copy of the cache per layer). A decode step folds the query heads of a K/V
+    head into query rows of it: one call without `enable_gqa`, ~20% faster on CPU at 64 rows x 600 columns."""
     if is_causal is None:
         is_causal = query.shape[2] > 1 and attention_mask is None and getattr(module, "is_causal", True)
     sdpa, groups = torch.nn.functional.scaled_dot_product_attention, getattr(module, "num_key_value_groups", 1)
@@ -271,8 +255,6 @@ def gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=Non
 
 
 # ----------------------------------------------------------------------------------- the engine
-
-
 class Engine:
     def __init__(self, model, tokenizer, *, max_running: int = 128, max_total_tokens: int = 0,
                  prefill_chunk: int = 2048, prefix_cache_tokens: int = -1, context_length: int | None = None,
@@ -319,7 +301,6 @@ class Engine:
         self._idle = 0  # idle timeouts in a row
 
     # -- thread-safe API --------------------------------------------------------------------
-
     def start(self) -> "Engine":
         self._thread = threading.Thread(target=self._loop, name="l0_min-engine", daemon=True)
         self._thread.start()
@@ -377,7 +358,6 @@ class Engine:
         return len(self.waiting) + len(self.prefilling) + len(self.running)
 
     # -- engine thread ----------------------------------------------------------------------
-
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stopped:
@@ -473,10 +453,9 @@ class Engine:
         return group, width
 
     def _prefill_rows(self, group: list[Sequence], width: int) -> int:
-        """Compute up to `width` more prompt tokens of each of `group` in one forward, in the rows after the
-        running ones. Each row first gets its prefix's keys/values copied in; its new tokens are the last of
-        the `width` input columns (left padding), written at its next columns; padding is written after
-        them, where later tokens overwrite it. Returns the tokens computed, padding included."""
+        """Compute up to `width` more prompt tokens of each of `group` in one forward, in the rows after the running
+        ones, after copying in its prefix's keys/values; new tokens are left-padded, and the padding written after
+        them is overwritten later. Returns the tokens computed, padding included."""
         first, lens = len(self.running), [min(len(s.input_ids) - s.prefilled, width) for s in group]
         start, new = torch.tensor([s.prefilled for s in group]), torch.tensor(lens)
         cols = start[:, None] + (torch.arange(width)[None, :] - (width - new)[:, None]) % width
@@ -604,7 +583,6 @@ class Engine:
             log.error("on_done callback failed:\n%s", traceback.format_exc())
 
     # -- run in the engine thread through call() ----------------------------------------------
-
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests are in flight, as in SGLang."""
         if self.num_requests():

@@ -2,14 +2,11 @@
 
     python -m l0_min.serve --model smollm2-135m --port 30000
 
-The subset of SGLang's `http_server.py` l0_min uses, same JSON: POST /generate (text or input_ids, single or
-batched, sampling_params), POST /update_weights_from_disk (waits for requests in flight, `UpdateLock`; with
-abort_all_requests they are aborted; the prefix cache always goes), GET /health (503 until the engine runs),
-/health_generate, /model_info (and /get_model_info, its name before 0.5.x), /get_weight_version, /flush_cache
-(400 while requests are in flight). Bad requests get SGLang's 400 bodies, naming the field; fields SGLang has and
-this server does not implement are accepted only at their default. No streaming, input-token log-probs,
-top-logprobs, penalties or constrained decoding. It listens on 127.0.0.1 unless told otherwise; with
-`--api-key KEY` every request but /health* needs `Authorization: Bearer KEY` (401 otherwise).
+The subset of SGLang's `http_server.py` l0_min uses, same JSON: /generate, /update_weights_from_disk (`UpdateLock`),
+/health (503 until the engine runs), /health_generate, /model_info (/get_model_info before 0.5.x),
+/get_weight_version, /flush_cache. Bad requests get SGLang's 400 bodies, naming the field; fields SGLang has and
+this server does not implement are accepted only at their default. It listens on 127.0.0.1 unless told otherwise;
+with `--api-key KEY` every request but /health* needs `Authorization: Bearer KEY`.
 """
 
 from __future__ import annotations
@@ -219,8 +216,6 @@ def render(seq, rid: str, tokenizer, return_logprob: bool, text_in_logprobs: boo
 
 
 # --------------------------------------------------------------------------------- the HTTP app
-
-
 class UpdateLock:
     """Many requests at once, or one weight update alone (SGLang's model_update_lock). An update holds
     the gate from the moment it waits, so new requests queue behind it and a steady stream of them
@@ -398,8 +393,6 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
 
 
 # ---------------------------------------------------------------------------------- entry point
-
-
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m l0_min.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="an HF folder, or smollm2-135m, or tiny-random")
@@ -475,20 +468,14 @@ def main(argv=None) -> None:
 
 
 # ------------------------------------------------------------- starting it from another process
-
-
 class ServerStartError(RuntimeError):
     pass
 
 
 def start_server_process(model: str, port: int = 0, extra_args=(), *, host: str = "127.0.0.1",
                          timeout: float = 300.0, log_path: str | Path | None = None):
-    """Start `python -m l0_min.serve` in a subprocess and wait until /health answers 200.
-
-    Returns (Popen, url). The server's stdout and stderr go to `log_path` (a temp file by default,
-    `proc.log_path`); if it exits or is not ready within `timeout` seconds, ServerStartError carries the
-    tail of that log. The server exits on its own when this process is gone.
-    """
+    """(Popen, url) of `python -m l0_min.serve` once /health answers 200; its output goes to `log_path` (default a
+    temp file, `proc.log_path`), whose tail a ServerStartError carries. It exits on its own when this process does."""
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="l0_min_serve_", suffix=".log")
         os.close(fd)

@@ -1,19 +1,9 @@
-"""Caps what one cell sends to the host, inside the kernel, so that a huge or endless output
-never reaches the host's memory in full.
-
-The cap wraps the kernel's `session.send`, the one point every outgoing message passes. Per cell
-(keyed by the execute_request's msg_id) there is one budget of `limit` characters:
-
-- stream text (print, stderr, os-level writes) passes until the budget is spent; after that only
-  the last `limit // 4` characters of each stream are kept, and just before the cell's
-  execute_reply they are sent behind a marker "[... N characters truncated ...]";
-- display_data / execute_result keep only text/plain, trimmed, and are dropped once the budget
-  is spent;
-- error values and traceback lines are trimmed, the traceback to its first and last entries;
-- the execute_reply of a cell that lost output carries "l0_truncated": true.
-
-A cell can undo this (it runs in the same process), but only to its own cost: the host also
-bounds what it keeps, and its zmq sockets refuse messages over a size limit.
+"""Caps what one cell sends to the host, inside the kernel, so that a huge or endless output never reaches the
+host's memory in full. It wraps `session.send`, which every outgoing message passes, with one budget of `limit`
+characters per cell: stream text passes until it is spent, then only each stream's last `limit // 4` characters
+are sent before the execute_reply, behind "[... N characters truncated ...]"; display data keeps text/plain,
+trimmed; errors and tracebacks are trimmed; the reply of a cell that lost output carries "l0_truncated": true.
+A cell can undo this, but only to its own cost: the host bounds what it keeps too.
 """
 
 import json

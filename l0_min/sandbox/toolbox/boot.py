@@ -2,9 +2,8 @@
 
     python -m l0_toolbox.boot -f CONNECTION_FILE [ipykernel options]
 
-This is ipykernel's own launcher (IPKernelApp: initialize, start) with two steps between:
-the output cap wraps the session, and the tools are pushed into the user namespace. If the
-toolbox fails to import, the kernel does not start: the host sees the traceback.
+ipykernel's own launcher with the output cap and the tools installed between initialize and start; a toolbox that
+fails to import stops the kernel (the host sees the traceback).
 """
 
 import os

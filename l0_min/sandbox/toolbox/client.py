@@ -1,8 +1,7 @@
 """The in-kernel side of the tools: one JSON POST per call to the host's tool server.
 
-The server listens on a unix socket bind-mounted into this sandbox only ($L0_TOOLS_SOCKET), so
-the socket itself says which episode a call belongs to. Every call has a timeout
-($L0_TOOLS_TIMEOUT seconds) and raises ToolError with the reason when it fails.
+The socket ($L0_TOOLS_SOCKET) is bound into this sandbox only, so it says which episode a call belongs to. Every
+call has a timeout ($L0_TOOLS_TIMEOUT seconds) and raises ToolError with the reason when it fails.
 """
 
 import http.client
