@@ -6,11 +6,12 @@
 An arm is an advantage estimator (grpo | rloo | reinforce++) and options: `chunk` (algo.ratio_level=chunk, ROLL's
 chunk-level importance ratios) and `resample` (rollout.resample=0.5: half the groups start from the first k steps of
 the environment's expert). The SFT run evaluates its result on the held-out tasks (the shared start, sampled and
-greedy); each (arm, seed) run trains `--steps` RL steps from the SFT weights and evaluates at its end. Every run is
-recorded in <out>/results.jsonl as it ends: rerun the same command and finished runs are skipped. The table: per arm
-the end score pooled over seeds (95% Wilson interval), the gain over the start with a two-proportion z-test, steps
-per held-out episode, the share of them that rebuilt their context, tokens trained, minutes per run;
-<out>/rewards.png: each arm's RL reward per step. RESULT lines: the best arm's gain, its steps and rebuild share.
+greedy), and its weights are evaluated again once per further seed, so the start has as many episodes as each arm;
+each (arm, seed) run trains `--steps` RL steps from the SFT weights and evaluates at its end. Every run is recorded
+in <out>/results.jsonl as it ends: rerun the same command and finished runs are skipped. The table: per arm the end
+score pooled over seeds (95% Wilson interval), the gain over the start with a two-proportion z-test, steps per
+held-out episode, the share of them that rebuilt their context, tokens trained, minutes per run; <out>/rewards.png:
+each arm's RL reward per step. RESULT lines: the best arm's gain, its steps and rebuild share.
 """
 
 import argparse
@@ -97,7 +98,15 @@ if ("sft", 0) not in results:  # the shared start: SFT only, evaluated at its en
     weights = sorted((run / "weights").glob("step_*"))[-1]
     record({"arm": "sft", "seed": 0, "run": str(run), "weights": str(weights), **evaluation(run),
             "minutes": (time.perf_counter() - t0) / 60})
-start = results["sft", 0]
+for seed in range(1, args.seeds):  # the start measured as often as each arm: the SFT weights evaluated again
+    if ("start", seed) not in results:
+        t0 = time.perf_counter()
+        run = train(f"start-s{seed}", [f"model.path={results['sft', 0]['weights']}", "sft.episodes=0", "run.steps=0",
+                                       f"run.seed={seed}", "run.eval_every=0", "run.eval_start=true"])  # fmt: skip
+        record({"arm": "start", "seed": seed, "run": str(run), **evaluation(run), "minutes": (time.perf_counter() - t0) / 60})
+starts = [results["sft", 0]] + [results["start", s] for s in range(1, args.seeds)]
+start = {mode: None if any(r[mode] is None for r in starts) else [sum(r[mode][i] for r in starts) for i in (0, 1)]
+         for mode in ("sampled", "greedy")} | {k: sum(r[k] for r in starts) / len(starts) for k in ("steps", "rebuilds")}
 arms = args.arms.split(",")
 for arm in arms:
     for seed in range(args.seeds):
@@ -105,7 +114,7 @@ for arm in arms:
             continue
         t0 = time.perf_counter()
         run = train(f"{arm.replace(':', '-').replace('+', 'p')}-s{seed}",
-                    [f"model.path={start['weights']}", "sft.episodes=0", f"run.seed={seed}", "run.eval_every=0",
+                    [f"model.path={results['sft', 0]['weights']}", "sft.episodes=0", f"run.seed={seed}", "run.eval_every=0",
                      "run.eval_start=false", *([f"run.steps={steps}"] if steps else []), *arm_overrides(arm)])  # fmt: skip
         metrics = [m for m in read_jsonl(run / "metrics.jsonl") if m.get("phase") == "rl"]
         by_k = {}  # prefix length k -> [solved, episodes] over the run's steps
@@ -118,7 +127,7 @@ for arm in arms:
                 "resample": by_k})  # fmt: skip
 
 # -- the table: pooled over seeds, against the shared start
-print(f"\nstart (after SFT, {start['sampled'][1]} held-out tasks): sampled {start['sampled'][0] / start['sampled'][1]:.3f}"
+print(f"\nstart (after SFT, {start['sampled'][1]} held-out episodes, {len(starts)} seed(s)): sampled {start['sampled'][0] / start['sampled'][1]:.3f}"
       + (f", greedy {start['greedy'][0] / start['greedy'][1]:.3f}" if start["greedy"] else "")
       + f"; {start['steps']:.2f} steps per episode, {start['rebuilds']:.0%} rebuilt their context")
 print(f"\n{'arm':<28} {'seeds':>5} {'sampled end (95% CI)':>22} {'gain':>7} {'p':>7} {'greedy end':>10} {'gain':>7} "

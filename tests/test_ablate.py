@@ -36,3 +36,12 @@ def test_the_ablation_runs_every_arm_from_one_sft_start_and_resumes(tmp_path):
     body = lambda out: out.split("start (after SFT")[1].rsplit("\n", 2)[0]  # the table and RESULT lines, not the time
     assert again.returncode == 0 and body(again.stdout) == body(p.stdout), again.stdout[-2000:] + again.stderr[-2000:]
     assert not re.search(r"^\S+: \d+ s, ", again.stdout, re.M)  # no train.py run again: all were in results.jsonl
+    # a second seed: the start is evaluated again from the SFT weights (as many episodes as the arm's), the arm's run
+    more = subprocess.run([*cmd[:6], "grpo", "--seeds", "2", *cmd[-2:]], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert more.returncode == 0, more.stdout[-3000:] + more.stderr[-3000:]
+    assert re.findall(r"^(\S+): \d+ s, ", more.stdout, re.M) == ["start-s1", "grpo-s1"]
+    start = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-2])
+    assert start["arm"] == "start" and f"path: {sft}" in (ROOT / start["run"] / "config.yaml").read_text()
+    n = results[0]["sampled"][1]
+    assert f"start (after SFT, {2 * n} held-out episodes, 2 seed(s))" in more.stdout
