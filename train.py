@@ -352,8 +352,8 @@ while step < last and not stopped:
 # 6. wrap up
 
 if rank0:
-    if step == last and not stop.is_set() and exit_code == 0 and cfg.run.eval_every >= 0:
-        evaluate(step)
+    if step == last and step not in evals and not stop.is_set() and exit_code == 0 and cfg.run.eval_every >= 0:
+        evaluate(step)  # (not again where the last step was evaluated: after SFT with run.steps=0, or at the start)
     for phase, a, b in (("SFT", 0, sft_steps), ("RL", sft_steps, last)):  # each phase's held-out gain, and its test
         for name, mode in [k for k in evals.get(b, {}) if k in evals.get(a, {})] if a != b else ():  # run at both
             (c1, n1, what), (c2, n2, _) = evals[b][name, mode], evals[a][name, mode]

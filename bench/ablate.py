@@ -72,13 +72,15 @@ def train(name: str, extra: list[str]) -> Path:
 
 
 def evaluation(run: Path) -> dict:
-    """The last held-out evaluation of a run: sampled and greedy (successes, n), steps per episode, rebuild share."""
+    """The held-out evaluations of a run's last evaluated step (every one there: none is left out): sampled and greedy
+    (successes, n), steps per episode, rebuild share."""
     records = read_jsonl(run / "metrics.jsonl")
     last = max(r["step"] for r in records if "eval/score" in r)
-    r = next(r for r in records if r["step"] == last and "eval/score" in r)
+    at = [r for r in records if r["step"] == last and "eval/score" in r]
+    pooled = lambda key: [sum(r[f"{key}successes"] for r in at), sum(r[f"{key}n"] for r in at)]  # noqa: E731
     eps = read_jsonl(run / "trajectories" / f"eval_{last:05d}.jsonl")
-    return {"step": last, "sampled": [r["eval/successes"], r["eval/n"]],
-            "greedy": [r["eval/greedy/successes"], r["eval/greedy/n"]] if "eval/greedy/score" in r else None,
+    return {"step": last, "sampled": pooled("eval/"),
+            "greedy": pooled("eval/greedy/") if all("eval/greedy/score" in r for r in at) else None,
             "steps": sum(len(e["steps"]) for e in eps) / len(eps), "rebuilds": sum(e["truncations"] > 0 for e in eps) / len(eps)}
 
 

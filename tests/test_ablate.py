@@ -43,5 +43,7 @@ def test_the_ablation_runs_every_arm_from_one_sft_start_and_resumes(tmp_path):
     assert re.findall(r"^(\S+): \d+ s, ", more.stdout, re.M) == ["start-s1", "grpo-s1"]
     start = json.loads((tmp_path / "results.jsonl").read_text().splitlines()[-2])
     assert start["arm"] == "start" and f"path: {sft}" in (ROOT / start["run"] / "config.yaml").read_text()
+    for r in (results[0], start):  # each start evaluated once (train.py evaluated a run.steps=0 run's last step twice)
+        assert (ROOT / r["run"] / "metrics.jsonl").read_text().count('"eval/score"') == 1, r["run"]
     n = results[0]["sampled"][1]
     assert f"start (after SFT, {2 * n} held-out episodes, 2 seed(s))" in more.stdout
