@@ -100,15 +100,23 @@ if ("sft", 0) not in results:  # the shared start: SFT only, evaluated at its en
     weights = sorted((run / "weights").glob("step_*"))[-1]
     record({"arm": "sft", "seed": 0, "run": str(run), "weights": str(weights), **evaluation(run),
             "minutes": (time.perf_counter() - t0) / 60})
+from_start = lambda seed: [f"model.path={results['sft', 0]['weights']}", "sft.episodes=0", f"run.seed={seed}",  # noqa: E731
+                            "run.eval_every=0"]  # fmt: skip
+
+
+def pooled(runs: list[dict], mode: str) -> list[float] | None:
+    """[successes, episodes] of `runs`' evaluations in `mode` together; None where one of them has none."""
+    return None if not runs or any(r[mode] is None for r in runs) else [sum(r[mode][i] for r in runs) for i in (0, 1)]
+
+
 for seed in range(1, args.seeds):  # the start measured as often as each arm: the SFT weights evaluated again
     if ("start", seed) not in results:
         t0 = time.perf_counter()
-        run = train(f"start-s{seed}", [f"model.path={results['sft', 0]['weights']}", "sft.episodes=0", "run.steps=0",
-                                       f"run.seed={seed}", "run.eval_every=0", "run.eval_start=true"])  # fmt: skip
+        run = train(f"start-s{seed}", [*from_start(seed), "run.steps=0", "run.eval_start=true"])
         record({"arm": "start", "seed": seed, "run": str(run), **evaluation(run), "minutes": (time.perf_counter() - t0) / 60})
 starts = [results["sft", 0]] + [results["start", s] for s in range(1, args.seeds)]
-start = {mode: None if any(r[mode] is None for r in starts) else [sum(r[mode][i] for r in starts) for i in (0, 1)]
-         for mode in ("sampled", "greedy")} | {k: sum(r[k] for r in starts) / len(starts) for k in ("steps", "rebuilds")}
+start = {mode: pooled(starts, mode) for mode in ("sampled", "greedy")} | {
+    k: sum(r[k] for r in starts) / len(starts) for k in ("steps", "rebuilds")}
 arms = args.arms.split(",")
 for arm in arms:
     for seed in range(args.seeds):
@@ -116,8 +124,8 @@ for arm in arms:
             continue
         t0 = time.perf_counter()
         run = train(f"{arm.replace(':', '-').replace('+', 'p')}-s{seed}",
-                    [f"model.path={results['sft', 0]['weights']}", "sft.episodes=0", f"run.seed={seed}", "run.eval_every=0",
-                     "run.eval_start=false", *([f"run.steps={steps}"] if steps else []), *arm_overrides(arm)])  # fmt: skip
+                    [*from_start(seed), "run.eval_start=false", *([f"run.steps={steps}"] if steps else []),
+                     *arm_overrides(arm)])  # fmt: skip
         metrics = [m for m in read_jsonl(run / "metrics.jsonl") if m.get("phase") == "rl"]
         by_k = {}  # prefix length k -> [solved, episodes] over the run's steps
         for m in metrics:
@@ -139,10 +147,10 @@ for arm in arms:
     runs = [results[arm, s] for s in range(args.seeds) if (arm, s) in results]
     cells, row = [], {}
     for mode in ("sampled", "greedy"):
-        if not runs or not start[mode] or any(r[mode] is None for r in runs):
+        if not start[mode] or not (end := pooled(runs, mode)):
             cells += ["-"] * 3
             continue
-        c, n = sum(r[mode][0] for r in runs), sum(r[mode][1] for r in runs)
+        c, n = end
         diff, _, p = two_proportion_z_test(c, n, *start[mode])
         lo, hi = wilson_interval(c, n)
         row[mode] = (diff, p)
