@@ -6,7 +6,9 @@
 An arm is an advantage estimator (grpo | rloo | reinforce++) and options: `chunk` (algo.ratio_level=chunk, ROLL's
 chunk-level importance ratios) and `resample` (rollout.resample=0.5: half the groups start from the first k steps of
 the environment's expert). The SFT run evaluates its result on the held-out tasks (the shared start, sampled and
-greedy), and its weights are evaluated again once per further seed, so the start has as many episodes as each arm;
+greedy), and its weights are evaluated again once per further seed (sampled: greedy decodes the same episodes again),
+so the start has as many sampled episodes as each arm (`--sft` reuses an SFT run's weights: the start is evaluated
+once per seed);
 each (arm, seed) run trains `--steps` RL steps from the SFT weights and evaluates at its end. Every run is recorded
 in <out>/results.jsonl as it ends: rerun the same command and finished runs are skipped. The table: per arm the end
 score pooled over seeds (95% Wilson interval), the gain over the start with a two-proportion z-test, steps per
@@ -33,6 +35,8 @@ ap.add_argument("--arms", default="grpo,reinforce++,reinforce++:chunk,reinforce+
 ap.add_argument("--seeds", type=int, default=2)
 ap.add_argument("--steps", type=int, default=None, help="RL steps per run (default: the config's run.steps)")
 ap.add_argument("--out", default=None, help="the ablation folder (default runs/ablate/<config name>)")
+ap.add_argument("--sft", default=None, help="start from these weights (an SFT run's weights/step_* folder) instead of "
+                "running SFT; the start is then evaluated once per seed")
 ap.add_argument("--quick", action="store_true", help="the tiny random model on short budgets: the machinery only")
 ap.add_argument("--target", type=float, default=0.10, help="the RL gain the RESULT line calls MET")
 ap.add_argument("overrides", nargs="*", help="more section.key=value for every train.py run")
@@ -76,15 +80,16 @@ def evaluation(run: Path) -> dict:
     (successes, n), steps per episode, rebuild share."""
     records = read_jsonl(run / "metrics.jsonl")
     last = max(r["step"] for r in records if "eval/score" in r)
-    at = [r for r in records if r["step"] == last and "eval/score" in r]
-    pooled = lambda key: [sum(r[f"{key}successes"] for r in at), sum(r[f"{key}n"] for r in at)]  # noqa: E731
+    at = lambda key: [r for r in records if r["step"] == last and f"{key}score" in r]  # noqa: E731
+    pooled = lambda key: [sum(r[f"{key}successes"] for r in at(key)), sum(r[f"{key}n"] for r in at(key))]  # noqa: E731
     eps = read_jsonl(run / "trajectories" / f"eval_{last:05d}.jsonl")
-    return {"step": last, "sampled": pooled("eval/"),
-            "greedy": pooled("eval/greedy/") if all("eval/greedy/score" in r for r in at) else None,
+    return {"step": last, "sampled": pooled("eval/"), "greedy": pooled("eval/greedy/") if at("eval/greedy/") else None,
             "steps": sum(len(e["steps"]) for e in eps) / len(eps), "rebuilds": sum(e["truncations"] > 0 for e in eps) / len(eps)}
 
 
-results = {(r["arm"], r["seed"]): r for r in read_jsonl(out / "results.jsonl")} if (out / "results.jsonl").exists() else {}
+# finished runs, their evaluations read again from their own metrics (the table follows the runs, not an old reading)
+results = {(r["arm"], r["seed"]): r | (evaluation(Path(r["run"])) if Path(r["run"]).exists() else {})
+           for r in read_jsonl(out / "results.jsonl")} if (out / "results.jsonl").exists() else {}  # fmt: skip
 
 
 def record(r: dict) -> None:
@@ -94,7 +99,9 @@ def record(r: dict) -> None:
 
 
 t_start = time.perf_counter()
-if ("sft", 0) not in results:  # the shared start: SFT only, evaluated at its end
+if args.sft:  # the shared start given: evaluated below like any further seed
+    results["sft", 0] = {"weights": str(Path(args.sft).resolve())}
+elif ("sft", 0) not in results:  # the shared start: SFT only, evaluated at its end
     t0 = time.perf_counter()
     run = train("sft", ["run.steps=0", "run.eval_every=0", "run.eval_start=false"])
     weights = sorted((run / "weights").glob("step_*"))[-1]
@@ -109,13 +116,15 @@ def pooled(runs: list[dict], mode: str) -> list[float] | None:
     return None if not runs or any(r[mode] is None for r in runs) else [sum(r[mode][i] for r in runs) for i in (0, 1)]
 
 
-for seed in range(1, args.seeds):  # the start measured as often as each arm: the SFT weights evaluated again
-    if ("start", seed) not in results:
+first = 0 if args.sft else 1  # the SFT run evaluated seed 0's start
+for seed in range(first, args.seeds):  # the start measured as often as each arm: the SFT weights evaluated again
+    if ("start", seed) not in results:  # greedy once: the same weights decode the same episodes again
         t0 = time.perf_counter()
-        run = train(f"start-s{seed}", [*from_start(seed), "run.steps=0", "run.eval_start=true"])
+        run = train(f"start-s{seed}", [*from_start(seed), "run.steps=0", "run.eval_start=true",
+                                       *(["run.eval_greedy=false"] * (seed > 0))])
         record({"arm": "start", "seed": seed, "run": str(run), **evaluation(run), "minutes": (time.perf_counter() - t0) / 60})
-starts = [results["sft", 0]] + [results["start", s] for s in range(1, args.seeds)]
-start = {mode: pooled(starts, mode) for mode in ("sampled", "greedy")} | {
+starts = [results["sft", 0]] * (not args.sft) + [results["start", s] for s in range(first, args.seeds)]
+start = {"sampled": pooled(starts, "sampled"), "greedy": pooled(starts[:1], "greedy")} | {
     k: sum(r[k] for r in starts) / len(starts) for k in ("steps", "rebuilds")}
 arms = args.arms.split(",")
 for arm in arms:

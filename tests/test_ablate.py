@@ -47,3 +47,13 @@ def test_the_ablation_runs_every_arm_from_one_sft_start_and_resumes(tmp_path):
         assert (ROOT / r["run"] / "metrics.jsonl").read_text().count('"eval/score"') == 1, r["run"]
     n = results[0]["sampled"][1]
     assert f"start (after SFT, {2 * n} held-out episodes, 2 seed(s))" in more.stdout
+    # --sft: an SFT run's weights reused; the start evaluated once per seed, greedy once (the same weights decode the
+    # same episodes again), the arm's runs from those weights
+    reuse = subprocess.run([*cmd[:6], "grpo", "--seeds", "2", "--out", str(tmp_path / "reuse"), "--sft", sft,
+                            "run.eval_greedy=true"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert reuse.returncode == 0, reuse.stdout[-3000:] + reuse.stderr[-3000:]
+    assert re.findall(r"^(\S+): \d+ s, ", reuse.stdout, re.M) == ["start-s0", "start-s1", "grpo-s0", "grpo-s1"]
+    runs = {(r["arm"], r["seed"]): r for r in map(json.loads, (tmp_path / "reuse" / "results.jsonl").read_text().splitlines())}
+    assert all(f"path: {sft}" in (ROOT / r["run"] / "config.yaml").read_text() for r in runs.values())
+    assert runs["start", 0]["greedy"] and runs["start", 1]["greedy"] is None and runs["grpo", 1]["greedy"]
+    assert f"start (after SFT, {2 * n} held-out episodes, 2 seed(s)): sampled" in reuse.stdout and ", greedy " in reuse.stdout
