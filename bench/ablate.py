@@ -191,6 +191,10 @@ if best:
     diff, p = summary[best]["sampled"]
     print(f"\nRESULT long_rl_gain={diff:+.3f} (arm {best}, sampled, p = {p:.2g}) target >= {args.target} "
           f"{'MET' if diff >= args.target and p < 0.05 else 'SHORT'}")
+    if greedy := max((a for a in summary if "greedy" in summary[a]), key=lambda a: summary[a]["greedy"][0], default=None):
+        diff, p = summary[greedy]["greedy"]  # the policy's most likely actions: what RL sharpened, not what it samples
+        print(f"RESULT long_rl_gain_greedy={diff:+.3f} (arm {greedy}, greedy, p = {p:.2g}) target >= {args.target} "
+              f"{'MET' if diff >= args.target and p < 0.05 else 'SHORT'}")
     print(f"RESULT long_steps_per_episode={summary[best]['steps']:.2f} target >= 4 {'MET' if summary[best]['steps'] >= 4 else 'SHORT'}")
     print(f"RESULT long_rebuild_share={summary[best]['rebuilds']:.3f} target >= 0.10 "
           f"{'MET' if summary[best]['rebuilds'] >= 0.10 else 'SHORT'}")

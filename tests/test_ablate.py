@@ -57,3 +57,4 @@ def test_the_ablation_runs_every_arm_from_one_sft_start_and_resumes(tmp_path):
     assert all(f"path: {sft}" in (ROOT / r["run"] / "config.yaml").read_text() for r in runs.values())
     assert runs["start", 0]["greedy"] and runs["start", 1]["greedy"] is None and runs["grpo", 1]["greedy"]
     assert f"start (after SFT, {2 * n} held-out episodes, 2 seed(s)): sampled" in reuse.stdout and ", greedy " in reuse.stdout
+    assert "RESULT long_rl_gain_greedy=" in reuse.stdout and "RESULT long_rl_gain_greedy=" not in p.stdout
