@@ -4,8 +4,8 @@
     python bench/ablate.py --quick            # the tiny random model: the machinery in about two minutes, no learning
 
 An arm is an advantage estimator (grpo | rloo | reinforce++) and options: `chunk` (algo.ratio_level=chunk, ROLL's
-chunk-level importance ratios) and `resample` (rollout.resample=0.5: half the groups start from the first k steps of
-the environment's expert). The SFT run evaluates its result on the held-out tasks (the shared start, sampled and
+chunk-level importance ratios), `resample` (rollout.resample=0.5: half the groups start from the first k steps of
+the environment's expert) and any `section.key=value` (`reinforce++:learner.lr=1e-3`: one setting, that arm only). The SFT run evaluates its result on the held-out tasks (the shared start, sampled and
 greedy), and its weights are evaluated again once per further seed (sampled: greedy decodes the same episodes again),
 so the start has as many sampled episodes as each arm (`--sft` reuses an SFT run's weights: the start is evaluated
 once per seed);
@@ -19,6 +19,7 @@ each arm's RL reward per step. RESULT lines: the best arm's gain, its steps and 
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -52,12 +53,14 @@ steps = args.steps or (1 if args.quick else None)
 
 
 def arm_overrides(arm: str) -> list[str]:
-    """'reinforce++:chunk:resample' -> its settings."""
+    """'reinforce++:chunk:resample' -> its settings; 'reinforce++:learner.lr=1e-3' -> the estimator and that setting."""
     estimator, *options = arm.split(":")
-    if estimator not in ("grpo", "rloo", "reinforce++") or set(options) - {"chunk", "resample"}:
-        sys.exit(f"ablate.py: arm {arm!r}: expected grpo | rloo | reinforce++, then :chunk and/or :resample")
+    settings = [o for o in options if "=" in o]
+    if estimator not in ("grpo", "rloo", "reinforce++") or set(options) - {"chunk", "resample", *settings}:
+        sys.exit(f"ablate.py: arm {arm!r}: expected grpo | rloo | reinforce++, then :chunk, :resample and/or "
+                 ":section.key=value")
     return ([f"algo.advantage={estimator}"] + ["algo.ratio_level=chunk"] * ("chunk" in options)
-            + ["rollout.resample=0.5"] * ("resample" in options))
+            + ["rollout.resample=0.5"] * ("resample" in options) + settings)
 
 
 def train(name: str, extra: list[str]) -> Path:
@@ -132,7 +135,7 @@ for arm in arms:
         if (arm, seed) in results:
             continue
         t0 = time.perf_counter()
-        run = train(f"{arm.replace(':', '-').replace('+', 'p')}-s{seed}",
+        run = train(re.sub(r"[^\w.]+", "-", arm.replace("+", "p")) + f"-s{seed}",
                     [*from_start(seed), "run.eval_start=false", *([f"run.steps={steps}"] if steps else []),
                      *arm_overrides(arm)])  # fmt: skip
         metrics = [m for m in read_jsonl(run / "metrics.jsonl") if m.get("phase") == "rl"]
@@ -149,7 +152,8 @@ for arm in arms:
 print(f"\nstart (after SFT, {start['sampled'][1]} held-out episodes, {len(starts)} seed(s)): sampled {start['sampled'][0] / start['sampled'][1]:.3f}"
       + (f", greedy {start['greedy'][0] / start['greedy'][1]:.3f}" if start["greedy"] else "")
       + f"; {start['steps']:.2f} steps per episode, {start['rebuilds']:.0%} rebuilt their context")
-print(f"\n{'arm':<28} {'seeds':>5} {'sampled end (95% CI)':>22} {'gain':>7} {'p':>7} {'greedy end':>10} {'gain':>7} "
+width = max(12, *map(len, arms))  # the arm column
+print(f"\n{'arm':<{width}} {'seeds':>5} {'sampled end (95% CI)':>22} {'gain':>7} {'p':>7} {'greedy end':>10} {'gain':>7} "
       f"{'p':>7} {'steps/ep':>8} {'rebuilt':>7} {'tokens':>9} {'min/run':>7}")
 summary = {}
 for arm in arms:
@@ -166,7 +170,7 @@ for arm in arms:
         cells += [f"{c / n:.3f} ({lo:.2f}-{hi:.2f})" if mode == "sampled" else f"{c / n:.3f}", f"{diff:+.3f}", f"{p:.2g}"]
     mean = lambda k: sum(r[k] for r in runs) / len(runs) if runs else math.nan
     summary[arm] = row | {"steps": mean("steps"), "rebuilds": mean("rebuilds")}
-    print(f"{arm:<28} {len(runs):>5} {cells[0]:>22} {cells[1]:>7} {cells[2]:>7} {cells[3]:>10} {cells[4]:>7} {cells[5]:>7} "
+    print(f"{arm:<{width}} {len(runs):>5} {cells[0]:>22} {cells[1]:>7} {cells[2]:>7} {cells[3]:>10} {cells[4]:>7} {cells[5]:>7} "
           f"{mean('steps'):>8.2f} {mean('rebuilds'):>7.0%} {mean('tokens'):>9,.0f} {mean('minutes'):>7.1f}")
     for r in runs:
         if r.get("resample"):

@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from tests.test_train import ROOT, _env
 
-ARMS = "grpo,reinforce++,reinforce++:chunk,reinforce++:chunk:resample"
+ARMS = "grpo,reinforce++:learner.lr=2e-4,reinforce++:chunk,reinforce++:chunk:resample"  # an arm may carry a setting
 
 
 @pytest.mark.slow
@@ -26,6 +27,8 @@ def test_the_ablation_runs_every_arm_from_one_sft_start_and_resumes(tmp_path):
         config = (ROOT / r["run"] / "config.yaml").read_text()  # (an absolute run path stays as it is)
         assert f"path: {sft}" in config and r["steps"] > 0 and len(r["rewards"]) == 1
         assert ("ratio_level: chunk" in config) == ("chunk" in r["arm"]) and ("resample: 0.5" in config) == ("resample" in r["arm"])
+        assert yaml.safe_load(config)["learner"]["lr"] == (2e-4 if "lr=" in r["arm"] else 1e-4)  # --quick's lr: 1e-4
+    assert "/reinforcepp-learner.lr-2e-4-s0-" in results[2]["run"]  # the run named after its arm, path-safe
     resampled = results[-1]["resample"]
     assert sum(n for _, n in resampled.values()) > 0  # some groups started from an expert prefix
     table = [line.split()[0] for line in p.stdout.splitlines() if line[:1].strip() and line.split()[0] in ARMS.split(",")]
