@@ -5,11 +5,11 @@
 
 An arm is an advantage estimator (grpo | rloo | reinforce++) and options: `chunk` (algo.ratio_level=chunk, ROLL's
 chunk-level importance ratios), `resample` (rollout.resample=0.5: half the groups start from the first k steps of
-the environment's expert) and any `section.key=value` (`reinforce++:learner.lr=1e-3`: one setting, that arm only). The SFT run evaluates its result on the held-out tasks (the shared start, sampled and
-greedy), and its weights are evaluated again once per further seed (sampled: greedy decodes the same episodes again),
-so the start has as many sampled episodes as each arm (`--sft` reuses an SFT run's weights: the start is evaluated
-once per seed);
-each (arm, seed) run trains `--steps` RL steps from the SFT weights and evaluates at its end. Every run is recorded
+the environment's expert) and any `section.key=value` without a colon (`reinforce++:learner.lr=5e-4`: that arm only).
+The SFT run evaluates its result on the held-out tasks (the shared start, sampled and greedy), and its weights are
+evaluated again once per further seed (sampled: greedy decodes the same episodes again), so the start has as many
+sampled episodes as each arm (`--sft` reuses an SFT run's weights: the start is evaluated once per seed); each
+(arm, seed) run trains `--steps` RL steps from the SFT weights and evaluates at its end. Every run is recorded
 in <out>/results.jsonl as it ends: rerun the same command and finished runs are skipped. The table: per arm the end
 score pooled over seeds (95% Wilson interval), the gain over the start with a two-proportion z-test, steps per
 held-out episode, the share of them that rebuilt their context, tokens trained, minutes per run; <out>/rewards.png:
