@@ -919,15 +919,15 @@ FORGE = "k = get_ipython().kernel\nk.session.send(k.iopub_socket, 'stream', {}, 
 
 
 async def test_9_malformed_or_undecodable_kernel_messages_are_the_agents_failure_never_masked(tools):
-    """Before: a forged message of 100,000 nested '[' made Kernel.execute raise RecursionError, and a lone
-    surrogate in the notepad or in a forged stream message made the tokenizer raise: env_error, retried,
-    masked: a reward hack for the taking."""
+    """Before: a forged message of 100,000 nested '[' made Kernel.execute raise RecursionError (issue 44: that many
+    are now past the budget of values, test 17; here 5,000), and a lone surrogate in the notepad or in a forged stream
+    message made the tokenizer raise: env_error, retried, masked: a reward hack for the taking."""
     cfg = episode_config(max_context_tokens=2000, max_observation_chars=300)
     cfg.rollout.max_retries = 1
     env = Services(cfg, None, Kernels(await started(3, tools)), tools, TOK, {"qa": QA(cfg)})
     fill = ["print('z' * 290)"] * 7  # fills the context: it is rebuilt around the notepad
-    async with host_health(tools, "9 JSON nested 100,000 deep, surrogates in a stream message and the notepad"):
-        nested = await scored(env, "nested", FORGE.format("b'[' * 100_000"), *fill)
+    async with host_health(tools, "9 JSON nested 5,000 deep, surrogates in a stream message and the notepad"):
+        nested = await scored(env, "nested", FORGE.format("b'[' * 5_000"), *fill)
         stream = await scored(env, "stream", FORGE.format("""b'{"name": "stdout", "text": "\\\\ud800 forged"}'"""), *fill)
         notepad = await scored(env, "notepad", "notepad.draft = chr(0xD800) * 3 + ' kept'", *fill)
     assert nested.status == KERNEL_CRASHED and "maximum recursion depth exceeded" in nested.error, nested.error
@@ -1281,3 +1281,37 @@ async def test_16_at_the_limit_of_all_sandboxes_the_one_holding_the_most_dies_as
     assert not innocent["dead"] and innocent["result"] == "'innocent'", innocent
     deaths = [c for c in hogs if c["dead"]]
     assert deaths and all(c["crashed"] and "while it held the most" in c["death"] for c in deaths), report
+
+# =========================================================================== issue 44: the third round
+# An outside attack run found parse work on the event loop, kernel memory and tmpfs pages that the memory watch could
+# not see (and a host OOM kill scored as the innocent's own crash), a watch slowed by millions of mappings, pages read
+# whole into the host, and failing pages that masked the agent's own episode.
+
+# --------------------------------------------------------------------------- 17. parse work on the loop
+
+DATES = """import time
+k = get_ipython().kernel
+dates, parent = ['2024-01-01T00:00:00.000000Z'] * 40_000, k.get_parent()['header']  # 1.2 MB of JSON: under 2 MiB
+for i in range(15):  # ISO dates in the header and in the parent header, another request's or this one's
+    msg = k.session.msg('stream', {'name': 'stdout', 'text': 'x'}, parent=parent)
+    msg['header']['dates'] = dates
+    msg['parent_header'] = {**parent, 'dates': dates} if i % 2 else {'msg_id': 'another', 'dates': dates}
+    type(k.session).send(k.session, k.iopub_socket, msg)
+    time.sleep(0.05)"""
+LISTS = ("k = get_ipython().kernel\ntype(k.session).send(k.session, k.iopub_socket, 'stream', {'name': 'stdout', "
+         "'text': 'x', 'pad': [[]] * 500_000}, k.get_parent())")  # '[], ' * 500,000: 2 MB  # fmt: skip
+
+
+async def test_17_forged_messages_that_cost_parse_work_are_refused_before_they_are_parsed(tools):
+    """Issue 44, before: the host parsed every message on its event loop, with jupyter_client's date extraction, before
+    it looked at whose it was: one message with 80k ISO dates in its header and parent header stalled the loop 1.2 s,
+    15 of them 3.6 s, and another episode's cell timed out; 500,000 empty lists in a content (2 MB) cost 0.1-0.2 s.
+    Now only a message whose parent's bytes name the request waited for is parsed, without date extraction, and only
+    within a budget of JSON values counted unparsed: the attacker's kernel is killed, its own doing."""
+    cfg = episode_config(max_context_tokens=2000, max_observation_chars=300)
+    cfg.rollout.max_retries = 1
+    env = Services(cfg, None, Kernels(await started(2, tools)), tools, TOK, {"qa": QA(cfg)})
+    async with host_health(tools, "17 forged messages: 80k ISO dates in header and parent, 500,000 lists in a content"):
+        eps = [await scored(env, name, code, "submit_final_answer('x')") for name, code in [("d", DATES), ("l", LISTS)]]
+    for ep, limit in zip(eps, ("100", "10,000")):
+        assert ep.status == KERNEL_CRASHED and f"a message frame of more than {limit} JSON values" in ep.error, ep.error
