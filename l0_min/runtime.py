@@ -25,7 +25,7 @@ from pathlib import Path
 from .collect import Services
 from .config import Config
 from .inference import InferenceClient
-from .sandbox import bwrap
+from .sandbox import bwrap, cgroup
 from .sandbox.pool import KernelPool
 from .search import make_backend
 from .serve.server import start_server_process, stop_server_process
@@ -85,14 +85,7 @@ async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> N
 
 def tree_pss_mb(pid: int) -> float:
     """PSS (shared pages split among the processes that map them) of a process and all its descendants, MB."""
-    kb, stack = 0, [pid]
-    while stack:
-        p = stack.pop()
-        with contextlib.suppress(OSError):  # gone meanwhile, or not ours to read
-            kb += int(Path(f"/proc/{p}/smaps_rollup").read_text().split("\nPss:")[1].split()[0])
-            for task in os.listdir(f"/proc/{p}/task"):  # a child is listed under the thread that started it
-                stack += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
-    return kb / 1024
+    return cgroup.pss(pid) / (1 << 20)  # the sandboxes' memory watch's reading: a zombie child counts 0
 
 
 PEAK_MB = [0.0]  # the largest tree_pss_mb of this process that watch_memory's thread saw

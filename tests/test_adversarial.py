@@ -1045,10 +1045,11 @@ async def test_12_sandboxes_are_the_oom_killers_first_choice_and_the_host_lives(
         await k.shutdown()
     report = await in_a_box(1200, "host", memory_mode)
     assert report["adj"] == ["1000", "1000"] and report["share"] == int(report["available"] * cgroup.SHARE) < 900
-    deaths = [c["death"] for c in report["cells"] if c["dead"]]
-    # the OOM killer (or the memory watch) took a sandbox; without a cgroup the host sees only how it ended (by
-    # SIGKILL), and the OOM killer took the one resident the most, which is what it holds (memfds are refused)
-    assert deaths and all("killed" in d or d == "it exited with status 137 (signal 9)" for d in deaths), report
+    deaths = [c for c in report["cells"] if c["dead"]]
+    # the OOM killer (or the memory watch) took a sandbox; without a cgroup the host sees a SIGKILL while its OOM kills
+    # rose (issue 44: before, "it exited with status 137", the agent's own doing): the environment's, as with one
+    assert deaths and all(c["death"].startswith("killed") for c in deaths), report
+    assert all(c["crashed"] == c["death"].startswith("killed: ") for c in deaths), report  # the watch's: its own
 
 
 REAL_DETECT = cgroup.detect  # memory_mode turns it off in this process; the box below stands for a machine
@@ -1062,7 +1063,7 @@ async def in_a_box(mb: int, scenario: str, memory_mode: str) -> dict:
         pytest.skip(f"no cgroup to hold a host and its sandboxes: {how}")
     version, parents = how
     box = f"{parents[0]}/l0_min-oomtest-{os.getpid()}"
-    os.mkdir(box)
+    os.makedirs(box, exist_ok=True)  # one an earlier test left (its memory still charged) is reused
     try:
         for name, value in ({"memory.max": mb << 20, "memory.swap.max": 0} if version == 2 else {
                 "memory.limit_in_bytes": mb << 20, "memory.memsw.limit_in_bytes": mb << 20}).items():
@@ -1274,13 +1275,15 @@ async def test_16_at_the_limit_of_all_sandboxes_the_one_holding_the_most_dies_as
     of all sandboxes (75% of total memory); the OOM killer, ranking by resident memory (memfds are in no
     process's), took whom it took, and its victims were scored "killed from outside the sandbox" and masked.
     Now the share is 75% of the memory available at start-up, and past 90% of it the host kills the sandbox
-    holding the most, as its own doing; the innocent one (50 MB, the most resident memory) answers."""
+    holding the most, as its own doing (issue 44: none holds half the share here, so the one that grew the most in
+    the last second); the innocent one (50 MB, the most resident memory) answers."""
     report = await in_a_box(2400, "share", memory_mode)
     assert report["share"] == int(report["available"] * cgroup.SHARE) and report["available"] < 2400
     *hogs, innocent = report["cells"]
     assert not innocent["dead"] and innocent["result"] == "'innocent'", innocent
     deaths = [c for c in hogs if c["dead"]]
-    assert deaths and all(c["crashed"] and "while it held the most" in c["death"] for c in deaths), report
+    assert deaths and all(c["crashed"] and "while it grew the most" in c["death"] for c in deaths), report
+
 
 # =========================================================================== issue 44: the third round
 # An outside attack run found parse work on the event loop, kernel memory and tmpfs pages that the memory watch could
@@ -1315,3 +1318,79 @@ async def test_17_forged_messages_that_cost_parse_work_are_refused_before_they_a
         eps = [await scored(env, name, code, "submit_final_answer('x')") for name, code in [("d", DATES), ("l", LISTS)]]
     for ep, limit in zip(eps, ("100", "10,000")):
         assert ep.status == KERNEL_CRASHED and f"a message frame of more than {limit} JSON values" in ep.error, ep.error
+
+
+# --------------------------------------------------------------------------- 18, 19. memory no process maps
+
+
+async def test_18_an_inode_flood_counts_against_the_sandbox_that_made_it(memory_mode):
+    """Issue 44, before: a sandbox making 1.5M empty files (1.5 GB of inodes and dentries: kernel memory) was 28 MB to
+    the memory watch without a cgroup (PSS), its anonymous and shared memory with one: the host's OOM killer, or the
+    watch as "held the most", took an innocent 300 MB kernel. Now the watch counts all a cgroup is charged but the
+    cache of files on disk, or without one ~1 KiB a tmpfs file. In a 900 MB box: an innocent holds 150 MB."""
+    report = await in_a_box(900, "inodes", memory_mode)
+    attacker, innocent = report["cells"]
+    assert not innocent["dead"] and innocent["result"] == "'innocent'", report
+    assert attacker["dead"] and attacker["crashed"] and "the most" in attacker["death"], report  # held, or grew
+
+
+async def test_19_tmpfs_files_count_against_the_sandbox_that_wrote_them(memory_mode):
+    """Issue 44, before: six sandboxes filling their tmpfs mounts (376 MB each, within their own limits) beside an
+    innocent holding 300 MB: without a cgroup the watch saw only PSS and the host's OOM killer took the innocent, whose
+    SIGKILL was scored as its own crash; with one the watch killed the innocent, the largest while the others were
+    still filling, "by its own doing". Now the watch counts tmpfs pages, and short of one holding half the share it
+    kills the one that grew the most; a SIGKILL while the host's OOM kills rose is not the agent's doing (test 12)."""
+    report = await in_a_box(2000, "tmpfs", memory_mode)
+    *hogs, innocent = report["cells"]
+    assert not innocent["dead"] and innocent["result"] == "'innocent'", report
+    deaths = [c for c in hogs if c["dead"]]
+    assert deaths and all(c["crashed"] and "while it grew the most" in c["death"] for c in deaths), report
+
+
+# --------------------------------------------------------------------------- 20. mappings
+
+MAPPINGS = r"""import ctypes, os, time
+done = os.pipe()
+if os.fork() == 0:  # 60,000 one-page mappings, alternately read-only and writable (none merge), then 60 forks of them
+    mmap, c = ctypes.CDLL(None).mmap, ctypes
+    mmap.restype, mmap.argtypes = c.c_void_p, [c.c_void_p, c.c_size_t, c.c_int, c.c_int, c.c_int, c.c_long]
+    for i in range(60_000):
+        mmap(None, 4096, 1 + 2 * (i % 2), 0x22, -1, 0)
+    for _ in range(60):
+        if os.fork() == 0:
+            break
+    os.write(done[1], b'.')
+    time.sleep(120)
+    os._exit(0)
+n = 0
+while n < 61:
+    n += len(os.read(done[0], 64))
+time.sleep(5)  # the watch reads it meanwhile"""
+PAST_LIMIT = ("import time\ntime.sleep(1)\nx = bytearray(b'1') * (300 << 20)  # its limit is 256 MB\n"
+              "print(time.time(), flush=True)\ntime.sleep(9)")
+
+
+async def killed_how_late(k: Kernel):
+    r = await k.execute(PAST_LIMIT)
+    return r, time.time() - float(r.stdout)
+
+
+async def test_20_a_sandbox_of_millions_of_mappings_is_killed_for_what_reading_it_costs(tools, monkeypatch):
+    """Issue 44, before (no cgroup): reading a sandbox of 10 processes x 60k mappings took 1.5-2.2 s, and the watch
+    read every sandbox in turn: every limit was enforced that late. Now each sandbox is read in a thread of its own (a
+    slow read delays only its own: tests/test_sandbox.py), and one whose read costs more than cgroup.SLOW s of the
+    host's CPU is killed, its own doing: here 61 processes x 60k mappings (~0.6 s a read); another sandbox past its
+    limit meanwhile is killed within the watch's period."""
+    monkeypatch.setattr(cgroup, "detect", lambda: NO_CGROUP)
+    monkeypatch.setattr(cgroup, "shared", lambda: NO_CGROUP)
+    mapper = (await started(1, tools, SandboxConfig(max_procs=96), KernelConfig(exec_timeout=60)))[0]
+    victim = (await started(1, tools, SandboxConfig(total_memory_mb=256)))[0]
+    try:
+        async with host_health(tools, "20 61 processes x 60k mappings in one sandbox, another past its limit"):
+            made, (past, late) = await asyncio.gather(mapper.execute(MAPPINGS), killed_how_late(victim))
+    finally:
+        await asyncio.gather(mapper.shutdown(), victim.shutdown())
+    print(f"\nMAPPINGS {made.death or made.result}; the other killed {late:.2f} s past its limit")
+    assert made.dead and made.crashed and "reading its memory cost the host" in made.death, made.text()
+    assert past.dead and past.crashed and past.death == "killed: the sandbox reached its memory limit (256 MB)", past
+    assert late < 1.5  # the watch's period (0.25 s), its wait for reads (at most 0.25 s), the kill on a busy host

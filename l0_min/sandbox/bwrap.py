@@ -39,6 +39,7 @@ RUN_DIR = "/run/l0"
 CONN_FILE = f"{RUN_DIR}/conn.json"
 IPC_BASE = f"{RUN_DIR}/ipc"  # zmq ipc sockets are IPC_BASE-1 ... IPC_BASE-5
 TOOLS_SOCKET = f"{RUN_DIR}/tools.sock"
+TMPFS = ("/dev/shm", "/tmp", WORKSPACE, RUN_DIR)  # its writable mounts, each a size-limited tmpfs
 TOOLBOX_PARENT = "/opt/l0"  # on PYTHONPATH; holds l0_toolbox
 VENV = "/opt/venv"
 TOOLBOX_SRC = Path(__file__).resolve().parent / "toolbox"
@@ -302,11 +303,11 @@ def protections(cfg: SandboxConfig) -> tuple[list[str], dict[str, str]]:
     share = f"{int(cgroup.available_mb() * cgroup.SHARE):,} MB, {cgroup.SHARE:.0%} of the {cgroup.available_mb():,} MB"
     if isinstance(how, str):
         missing["cgroup"] = how
-        on.append(f"memory watch: each sandbox's PSS ({cfg.total_memory_mb:,} MB), memfds and SysV shm refused")
+        on.append(f"memory watch: each sandbox's PSS and tmpfs ({cfg.total_memory_mb:,} MB); memfds, SysV shm refused")
     else:
         on.append(f"cgroup v{how[0]} memory ({cfg.total_memory_mb:,} MB) + pids ({cfg.max_procs + 2})")
-    on.append(f"all sandboxes together {share} available at start-up (past {cgroup.HIGH:.0%} the host kills the one "
-              "holding the most)")
+    on.append(f"all sandboxes together {share} available at start-up (past {cgroup.HIGH:.0%} the host kills one "
+              "holding half, else the one growing the most)")
     return on, missing
 
 

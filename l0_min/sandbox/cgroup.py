@@ -8,25 +8,32 @@ logs it). The sandbox's launcher shell joins them before it execs bwrap (bwrap.c
 
 All sandboxes together get SHARE of the memory available at start-up. The OOM killer ranks by resident memory, which
 memfds and tmpfs files are not, so at that limit it would take a small sandbox for a big one: the host chooses.
-`watch` reads every PERIOD s what each sandbox holds (its cgroup's anonymous and shared memory, or the PSS of its
-processes) and kills, as its own doing, the one holding the most once all together pass HIGH of the share (v1: the
-OOM killer is off at the shared limit, v2: memory.high throttles past HIGH) and, where no cgroup charges it, one past
-its own limit (then memfds and SysV shm are refused: bwrap.seccomp_filter).
+`watch` reads every PERIOD s what each sandbox holds (all its cgroup is charged but disk cache, kernel objects included,
+or its processes' PSS, its tmpfs files and INODE each), each in a thread (a slow read delays only its own; one costing
+over SLOW s of CPU kills it). Past HIGH of the share (v1: the OOM killer is off at the shared limit, v2: memory.high
+throttles) it kills, as its own doing, one holding half the share, else the one that grew the most in the last second
+(oomd's size-or-growth rule); and, where no cgroup charges it, one past its own limit (then memfds and SysV shm are
+refused: bwrap.seccomp_filter).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import contextlib
 import functools
 import glob
 import logging
 import os
 import re
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 SHARE, HIGH, PERIOD = 0.75, 0.9, 0.25  # all sandboxes' part of the memory at start-up; the watch: where, how often
+SLOW, INODE = 0.25, 1 << 10  # the CPU seconds one look at a sandbox may cost (~1.3M mappings); a tmpfs file's bytes
+_readers = ThreadPoolExecutor(32, thread_name_prefix="l0_min-watch")
 
 
 def _read(path: str) -> str:
@@ -155,10 +162,13 @@ class Cgroup:
         return "" if not kills else "limit" if at_limit else "all" if all_at_limit else "host"
 
     def held(self) -> int:
-        """Bytes the sandbox holds that the kernel cannot reclaim: anonymous and shared memory (memfds, tmpfs)."""
-        with contextlib.suppress(OSError, LookupError):  # removed (no dirs left, or its files gone): it is gone
-            stat = dict(line.split() for line in _read(f"{self.dirs[0]}/memory.stat").splitlines())
-            return int(stat["anon" if self.version == 2 else "rss"]) + int(stat["shmem"])
+        """Bytes the sandbox holds that the kernel cannot reclaim: all it is charged but the page cache of files on disk
+        (anonymous memory, memfds and tmpfs files, kernel objects: an inode flood's inodes and dentries)."""
+        with contextlib.suppress(OSError, LookupError, ValueError):  # removed (no dirs left, or its files gone): gone
+            d, v2 = self.dirs[0], self.version == 2
+            stat = dict(line.split() for line in _read(f"{d}/memory.stat").splitlines())
+            used = int(_read(f"{d}/memory.{'current' if v2 else 'usage_in_bytes'}"))
+            return used - int(stat["file" if v2 else "cache"]) + int(stat["shmem"])  # shmem is cache too
         return 0
 
     async def remove(self) -> None:
@@ -177,9 +187,9 @@ class Cgroup:
         log.warning("cgroups %s still hold processes after 1 s; left in place", self.dirs)
 
 
-def pss(pid: int) -> int:
-    """Bytes the processes of the tree under `pid` hold: their PSS (a shared page split among its users, shared
-    memory included), 0 for processes that are gone."""
+def pss(pid: int, mounts: tuple[str, ...] = ()) -> int:
+    """Bytes the sandbox of pid 1 `pid` holds: its processes' PSS (a shared page split among its users, shared memory
+    included; 0 for processes that are gone) and in its tmpfs `mounts` the files' pages and INODE a file."""
     total, todo = 0, [pid]
     while todo:
         p = todo.pop()
@@ -187,7 +197,16 @@ def pss(pid: int) -> int:
             kids = (_read(f"/proc/{p}/task/{t}/children").split() for t in os.listdir(f"/proc/{p}/task"))
             todo += [int(c) for some in kids for c in some]
             total += int(_read(f"/proc/{p}/smaps_rollup").split("\nPss:")[1].split()[0]) << 10
+    for m in mounts:  # pages no process maps, and kernel memory: an inode flood's is ~0.94 KiB a file
+        with contextlib.suppress(OSError):
+            s = os.statvfs(f"/proc/{pid}/root{m}")
+            total += (s.f_blocks - s.f_bfree) * s.f_frsize + (s.f_files - s.f_ffree) * INODE
     return total
+
+
+def oom_kills() -> int:
+    """The host's OOM kills since boot (/proc/vmstat, Linux 4.13+; 0 where it does not say)."""
+    return int(m[1]) if (m := re.search(r"\boom_kill (\d+)", _read("/proc/vmstat"))) else 0
 
 
 _watched: dict = {}  # a sandbox's key -> (read: what it holds in bytes, its own limit (0: its cgroup's), kill: async)
@@ -208,18 +227,30 @@ def unwatch(key, why: str = "") -> None:
         asyncio.ensure_future(entry[2](why))
 
 
+def _timed(read) -> tuple[float, int, float]:  # in the reading thread: its CPU time around the read
+    return time.thread_time(), read(), time.thread_time()
+
+
 async def _watch() -> None:
-    how, share = shared(), int(available_mb() * SHARE)  # the limit of the shared cgroup, where there is one
-    stuck = None if isinstance(how, str) or how[0] == 2 else f"{how[1][0]}/memory.oom_control"  # v1: under_oom
+    share = int(available_mb() * SHARE)  # the limit of the shared cgroup, where there is one
+    loop, held, reads, past = asyncio.get_running_loop(), {}, {}, collections.deque([{}], maxlen=4)
     while _watched:
-        items = list(_watched.items())
-        held, full = await asyncio.to_thread(lambda: ([read() for _, (read, _, _) in items],
-                                                      stuck is not None and "under_oom 1" in _read(stuck)))
-        for (key, (_, limit, _)), n in zip(items, held):
-            if limit and n > limit:
+        reads |= {key: loop.run_in_executor(_readers, _timed, read) for key, (read, _, _) in _watched.items()
+                  if key not in reads}  # one read per sandbox at a time, each in a thread: a slow one delays its own
+        await asyncio.wait(reads.values(), timeout=PERIOD)
+        for key in [key for key, f in reads.items() if f.done()]:
+            cpu, held[key], done = reads.pop(key).result()
+            if done - cpu > SLOW:
+                unwatch(key, f"reading its memory cost the host {done - cpu:.1f} s of CPU (more than {SLOW:g} s)")
+        held = {key: n for key, n in held.items() if key in _watched}
+        for key, n in list(held.items()):
+            if (limit := _watched[key][1]) and n > limit:
                 unwatch(key, f"the sandbox reached its memory limit ({limit >> 20:,} MB)")
-        if sum(held) > HIGH * (share << 20) or full:
-            n, key = max(zip(held, (key for key, _ in items)), key=lambda most: most[0])
+        if held and sum(held.values()) > HIGH * (share << 20):  # v1 at the shared limit: under_oom, all held
+            key = max(held, key=held.get)
+            if grew := held[key] <= share << 19:  # none holds half: the one that grew the most in the last second
+                key = max(held, key=lambda k: held[k] - past[0].get(k, 0))
             unwatch(key, f"all sandboxes together reached {HIGH:.0%} of their memory limit ({share:,} MB) while it "
-                         f"held the most ({n >> 20:,} MB)")  # fmt: skip
+                         f"{'grew' if grew else 'held'} the most ({held[key] >> 20:,} MB)")  # fmt: skip
+        past.append(held)
         await asyncio.sleep(PERIOD)

@@ -201,6 +201,7 @@ class Kernel:
         self._log = bytearray()  # last 8 KiB of the kernel's stdout/stderr
         self._uid: sb.UidLease | None = None  # root hosts: the sandbox's own uid
         self._cgroup: cgroup.Cgroup | None = None
+        self._ooms = cgroup.oom_kills()  # the host's so far: without a cgroup, death() tells the OOM killer's SIGKILL
         self._sockets: list[int] = []  # O_PATH fds of the kernel's ipc sockets (zmq connects through them)
         self._killed_for = ""  # why the host killed it (a cell that ignored the interrupt)
         self._lock, self._closed = asyncio.Lock(), False
@@ -253,7 +254,7 @@ class Kernel:
         km.spec, km.on_launched = spec, lambda: self._launched(ip)
         await km.start_kernel(env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         if self.sandbox.enabled:  # the host's memory watch; a cgroup enforces its own limit where there is one
-            c, read = self._cgroup, functools.partial(cgroup.pss, self.sandbox_pid)
+            c, read = self._cgroup, functools.partial(cgroup.pss, self.sandbox_pid, sb.TMPFS)
             cgroup.watch(self, c.held if c else read, 0 if c else self.sandbox.total_memory_mb << 20, self._kill_for)
         km._close_control_socket()  # nobody would read it: an interrupt opens one, then closes it (`_run`)
         self._kc = km.client(context=zmq_context())  # not a context (and io thread) of its own
@@ -483,11 +484,11 @@ class Kernel:
         await self._kill()
 
     def death(self) -> tuple[str, bool]:
-        """How the kernel died, and whether the agent's code is to blame: it is, unless the host's
-        OOM killer or a kill from outside the sandbox (bwrap killed by a signal) ended it (cgroup.oom
-        says when a death at the limit of all sandboxes together counts as its own)."""
+        """How the kernel died, and whether the agent's code is to blame: it is, unless the host's OOM killer
+        (without a cgroup: a SIGKILL while the host's OOM kills rose) or a kill from outside the sandbox (bwrap
+        killed by a signal) ended it (cgroup.oom says when one at the limit of all sandboxes counts as its own)."""
         code = self._exited.result() if self._exited is not None and self._exited.done() else None
-        oom = self._cgroup.oom() if self._cgroup is not None else ""
+        oom = self._cgroup.oom() if self._cgroup else "host" * (code == 137 and cgroup.oom_kills() > self._ooms)
         if self._killed_for or oom in ("limit", "all"):
             why = self._killed_for or (f"the sandbox reached its memory limit ({self.sandbox.total_memory_mb:,} MB)"
                                        if oom == "limit" else f"all sandboxes together reached their memory limit "
