@@ -1394,3 +1394,135 @@ async def test_20_a_sandbox_of_millions_of_mappings_is_killed_for_what_reading_i
     assert made.dead and made.crashed and "reading its memory cost the host" in made.death, made.text()
     assert past.dead and past.crashed and past.death == "killed: the sandbox reached its memory limit (256 MB)", past
     assert late < 1.5  # the watch's period (0.25 s), its wait for reads (at most 0.25 s), the kill on a busy host
+
+
+# --------------------------------------------------------------------------- 21, 22. page and search backends
+
+STAND_IN = r'''import json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class Handler(BaseHTTPRequestHandler):
+    def reply(self, status, body=b"", length=None):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):  # the page reader: GET /<page url>
+        if self.path.startswith("/down/"):
+            return self.reply(503, b"the reader is down")
+        if self.path == "/https://example.com":
+            return self.reply(200, b"Example Domain")
+        if self.path.startswith("/https://slow."):
+            time.sleep(30)
+        if self.path.startswith("/https://huge."):  # 100 MB, 64 KiB at a time
+            try:
+                self.reply(200, b"a" * (64 << 10), length=100 << 20)
+                for _ in range(1599):
+                    self.wfile.write(b"a" * (64 << 10))
+            except OSError:
+                pass
+            return
+        self.reply(422, b'{"code": 422, "message": "Failed to goto: net::ERR_NAME_NOT_RESOLVED"}')
+
+    def do_POST(self):  # serper's /search, a retriever's /retrieve
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        query = body.get("q") or body["queries"][0]
+        if self.path.startswith("/down/") or "fail" in query:
+            return self.reply(503 if self.path.startswith("/down/") else 400, b"refused")
+        hit = {"title": "Capital", "link": "https://example.com", "snippet": "The capital."}
+        doc = {"document": {"id": "d1", "contents": '"Capital"\nThe capital.'}, "score": 1.0}
+        self.reply(200, json.dumps({"organic": [hit]} if "q" in body else {"result": [[doc]]}).encode())
+
+    def log_message(self, *args):
+        pass
+
+server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+print(server.server_port, flush=True)
+server.serve_forever()
+'''
+
+
+@contextlib.asynccontextmanager
+async def stand_in():
+    """serper.dev, a page reader (Jina's API) and a retriever in a process of their own (the host's memory is the
+    tool server's alone); under /down/ all three answer HTTP 503."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", STAND_IN, stdout=asyncio.subprocess.PIPE)
+    try:
+        yield f"http://127.0.0.1:{int(await asyncio.wait_for(proc.stdout.readline(), 30))}"
+    finally:
+        proc.kill()
+        await proc.wait()
+
+
+def serper(url: str, timeout: float):
+    from l0_min.search import JinaReader, SerperBackend
+
+    return SerperBackend("key", base_url=url, reader=JinaReader(base_url=url, timeout=timeout), timeout=timeout)
+
+
+async def test_21_pages_of_100_mb_never_grow_the_host(tools):
+    """Issue 44, before: search.py read a reply whole, then the tool server kept page_chars of it: 4 episodes reading
+    pages of 100 MB grew the host by 364 MB (the bound is 150). Now it reads MAX_REPLY bytes of a reply, no more."""
+    async with stand_in() as url:
+        backend = serper(url, 20)
+        server = ToolServer(backend, timeout=20)
+        await server.start()
+        kernels = await started(4, server)
+        try:
+            async with host_health(tools, "21 four episodes reading pages of 100 MB at once"):
+                rs = await asyncio.gather(*(k.execute("len(read_page('https://huge.example/page'))") for k in kernels))
+        finally:
+            await asyncio.gather(*(k.shutdown() for k in kernels))
+            await server.close()
+            await backend.close()
+    assert [r.result for r in rs] == [str(server.page_chars)] * 4, [r.text() for r in rs]
+
+
+FAILING = """from l0_toolbox.client import ToolError
+for tool, arg in [(read_page, 'https://unfetchable.invalid/x'), (read_page, 'https://slow.example/'),
+                  (read_page, 'a failing title'), (web_search, 'fail me')]:
+    try:
+        print(str(tool(arg))[:200])
+    except ToolError as e:
+        print(str(e)[:200])"""
+
+
+async def test_22_a_page_or_query_that_fails_is_an_answer_to_the_agent_and_only_a_backend_down_is_masked():
+    """Issue 44, before: under tools.search=serper, read_page of a page that cannot be fetched raised in search.py,
+    and the tool server recorded a backend failure: the episode was masked as an environment error, the agent's
+    choice. Now a failed call is the backend's only if the backend also fails a request no agent chose (tools.PROBE);
+    else it is an answer to the agent: under serper and a retriever, the episode is scored. A backend down for every
+    call is the environment's: retried, then masked and counted."""
+    from l0_min.search import RetrieverClient
+
+    cfg = episode_config()
+    cfg.rollout.max_retries = 1
+    async with stand_in() as url:
+        backends = {"serper": serper(url, 20), "retriever": RetrieverClient(url), "down": serper(f"{url}/down", 20)}
+        servers = {name: ToolServer(b, timeout=2) for name, b in backends.items()}
+        envs = {}
+        try:
+            for name, server in servers.items():
+                await server.start()
+                envs[name] = Services(cfg, None, Kernels(await started(2, server)), server, TOK, {"qa": QA(cfg)})
+                envs[name].policy = Script(*[FAILING, "submit_final_answer('a')"] * 2)  # a retry plays them again
+            eps = dict(zip(envs, await asyncio.gather(*(run_one(env, Task(n, "q", ["a"])) for n, env in envs.items()))))
+        finally:
+            await asyncio.gather(*(k.shutdown() for env in envs.values() for k in env.kernels.kernels))
+            for name, server in servers.items():
+                await server.close()
+                await backends[name].close()
+    for name in ("serper", "retriever"):
+        ep = eps[name]
+        assert ep.status == ANSWERED and not ep.masked and envs[name].counters["env_retries"] == 0, (name, ep.error)
+        print(f"\n{name}:", ep.steps[0].observation)
+    lines = eps["serper"].steps[0].observation.split("<output>\n")[1].splitlines()
+    assert lines[0].startswith("read_page: the read_page backend failed: SearchError") and "HTTP 422" in lines[0], lines
+    assert lines[1:4] == ["read_page: the read_page backend did not answer within 2 s", "read_page needs a web address "
+                          "(http://... or https://...) from web_search results, got 'a failing title'.",
+                          "web_search: the web_search backend failed: SearchError: serper: POST " + url + "/search -> "
+                          "HTTP 400: refused"], lines  # fmt: skip
+    down = eps["down"]
+    assert down.status == ENV_ERROR and down.masked and envs["down"].counters["env_retries"] == 1, down.error
+    assert "tool backend failure(s), the first: the read_page backend failed: SearchError" in down.error

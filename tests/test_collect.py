@@ -28,7 +28,7 @@ from l0_min.inference import Generation, InferenceClient
 from l0_min.models import tiny_tokenizer
 from l0_min.sandbox.pool import KernelPool
 from l0_min.search import SearchError
-from l0_min.sandbox.tools import ToolServer
+from l0_min.sandbox.tools import PROBE, ToolServer
 from bench.scripted_policy import ANSWER, SEARCH, ScriptedPolicyServer, default_script
 from tests.fakes import FakeKernels, qa_envs
 
@@ -119,17 +119,23 @@ real = pytest.mark.asyncio(loop_scope="module")
 
 
 class Backend:
-    """Search backend: "stall" never answers, "boom" fails while `failures_left` > 0."""
+    """Search backend, down for the tool server's probe too (PROBE: a failure is the backend's only if that fails as
+    well): "boom" fails while `failures_left` > 0, and the probe until a search answers; "stall" never answers, and
+    from then on nor does the probe, while `hung`."""
 
     def __init__(self):
-        self.failures_left = 0
+        self.failures_left, self.down, self.hung = 0, False, False
 
     async def search(self, query: str, k: int) -> list[dict]:
-        if query == "stall":
+        probe = query == PROBE["web_search"]
+        if query == "stall" or probe and self.hung:
+            self.hung = True
             await asyncio.sleep(3600)
-        if query == "boom" and self.failures_left > 0:
-            self.failures_left -= 1
+        if query == "boom" and self.failures_left > 0 or probe and self.down:
+            self.failures_left -= not probe
+            self.down = True
             raise SearchError("the search API answered HTTP 503")
+        self.down = False
         return [{"id": "x", "title": "X", "text": "x marks the spot", "score": 1.0}]
 
     async def read_page(self, ref: str) -> str:
@@ -259,23 +265,27 @@ def search_for(question, step, count):
 @pytest.mark.slow
 @real
 async def test_search_backend_errors_and_stalls_are_environment_failures(stack):
-    """`boom` fails twice (both first attempts; the retries work), `stall` never answers (masked)."""
-    stack.backend.failures_left = 2
+    """A backend that fails every search, the tool server's probe included (a query only it fails is the agent's:
+    test_adversarial.py's test 22), is the environment's failure: four `boom` episodes fail their first attempts (the
+    retries work), four `stall` ones never get an answer (masked)."""
+    stack.backend.failures_left = 4
     cfg = config(batch_size=2, n_samples=2, max_retries=1)
+    batches, pool = [], Tracked(stack.pool)
     async with policy_over_http(search_for) as (server, client):
-        pool = Tracked(stack.pool)
         env = Services(cfg, client, pool, stack.tools, TOK, qa_envs(cfg))
-        batch = await asyncio.wait_for(collect_batch(env, ListStream(tasks("boom", "stall")), cfg.rollout, False), 90)
-    assert_well_formed(batch, 2, 2)
-    boom = [e for e in batch.episodes if e.task.question == "boom"]
-    stall = [e for e in batch.episodes if e.task.question == "stall"]
-    assert all(answered_ok(e) and e.steps[0].exec_ok for e in boom)
-    for e in stall:  # the agent answered, but its search never came back: not the policy's fault
+        for questions in (("boom", "boom again"), ("stall", "stall again")):  # all at once: the backend is down
+            stream = ListStream(tasks(*questions))
+            batches.append(await asyncio.wait_for(collect_batch(env, stream, cfg.rollout, False), 90))
+    stack.backend.hung = False
+    for batch in batches:
+        assert_well_formed(batch, 2, 2)
+        assert batch.stats["env_retries"] == 4
+    assert all(answered_ok(e) and e.steps[0].exec_ok for e in batches[0].episodes)
+    for e in batches[1].episodes:  # the agent answered, but its search never came back: not the policy's fault
         assert e.status == ENV_ERROR and e.masked and "did not answer within 1 s" in e.error
         assert "ToolError" in e.steps[0].observation
-    assert stack.backend.failures_left == 0
-    assert batch.stats["env_retries"] == 4 and batch.stats["episodes_masked"] == 2
-    assert pool.acquired == pool.released == 8
+    assert stack.backend.failures_left == 0 and batches[1].stats["episodes_masked"] == 4
+    assert pool.acquired == pool.released == 16
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ class Kernel:
         tools = self.tool_server.open_episode(self.id) if self.tool_server is not None else None
         conn = os.path.join(self.runtime_dir, "conn.json")
         extra = {"L0_MAX_OUTPUT_CHARS": str(self.kcfg.max_output_chars),
-                 "L0_TOOLS_TIMEOUT": str(getattr(self.tool_server, "timeout", 20.0) + 5)}  # fmt: skip
+                 "L0_TOOLS_TIMEOUT": str(3 * getattr(self.tool_server, "timeout", 20.0) + 5)}  # fmt: skip
         argv, env, ip, cwd = sb.launch(self.sandbox, self.runtime_dir, conn_file=conn, kernel_args=KERNEL_ARGS,
                                        tools_socket=tools, extra_env=extra, uid=self._uid.uid if self._uid else None,
                                        cgroup_procs=self._cgroup.procs if self._cgroup else [])

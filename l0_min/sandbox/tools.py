@@ -9,7 +9,8 @@
 
 The socket a request arrives on names its episode; printed text is never parsed for answers. Every request and call
 is bounded (connections, rate, sizes, time), and an episode's backend calls take turns in its own line, so one
-episode's searches delay only itself (README "Inside the loop" has the bounds).
+episode's searches delay only itself (README "Inside the loop" has the bounds). A call that fails is the backend's
+failure (`backend_errors`: retried, then masked) only if PROBE, a request no agent chose, fails too; else the agent's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from l0_min.context import valid_text
 log = logging.getLogger(__name__)
 
 TOOLS = ("web_search", "read_page", "submit_final_answer")
+PROBE = {"web_search": "wikipedia", "read_page": "https://example.com"}  # tells a request's failure from the backend's
 
 
 class ToolServer:
@@ -129,7 +131,7 @@ class ToolServer:
         except BaseException:
             conn.close()
             raise
-        loop.call_later(self.timeout + 5, transport.abort)  # idle and slow clients too
+        loop.call_later(3 * self.timeout + 5, transport.abort)  # idle, slow clients too; a call: line, backend, probe
 
     def close_episode(self, key: str) -> None:
         """Stop listening for this episode; its answer and counts stay readable for a while."""
@@ -158,7 +160,7 @@ class ToolServer:
         return dict(self._calls.get(key, {}))
 
     def backend_errors(self, key: str) -> list[str]:
-        """What went wrong in this episode's backend calls (timeouts, failures; not bad arguments)."""
+        """What went wrong in this episode's backend calls that the backend's probe failed too (`_serving`)."""
         return list(self._errors.get(key, []))
 
     def _done(self, task: asyncio.Task) -> None:
@@ -191,19 +193,21 @@ class ToolServer:
             result = await self._in_turn(line, tool, args)
         except ValueError as e:
             return _reply(False, str(e), 400)
-        except asyncio.TimeoutError:
-            log.warning("tool %s of episode %s timed out after %g s", tool, key, self.timeout)
-            return self._failed(key, f"the {tool} backend did not answer within {self.timeout:g} s", 504)
-        except Exception as e:
-            log.warning("tool %s of episode %s failed: %s: %s", tool, key, type(e).__name__, e)
-            return self._failed(key, f"the {tool} backend failed: {type(e).__name__}: {e}", 502)
+        except Exception as e:  # asyncio.TimeoutError included
+            why = (f"the {tool} backend did not answer within {self.timeout:g} s" if isinstance(e, asyncio.TimeoutError)
+                   else f"the {tool} backend failed: {type(e).__name__}: {e}")  # fmt: skip
+            if not await self._serving(tool):  # else the request failed, not the backend: an answer to the agent
+                log.warning("tool %s of episode %s: %s", tool, key, why)
+                self._errors[key] = (self._errors.get(key, []) + [why])[:20]
+            return _reply(False, why, 502)
         return _reply(True, result)
 
-    def _failed(self, key: str, message: str, status: int) -> web.Response:
-        errors = self._errors.setdefault(key, [])
-        if len(errors) < 20:
-            errors.append(message)
-        return _reply(False, message, status)
+    async def _serving(self, tool: str) -> bool:
+        """Whether the backend answers PROBE, a request no agent chose (if not, a call that failed was its failure)."""
+        probe = self.backend.search(PROBE[tool], 1) if tool == "web_search" else self.backend.read_page(PROBE[tool])
+        with contextlib.suppress(Exception):
+            return await asyncio.wait_for(probe, self.timeout) is not None
+        return False
 
     def _text(self, args: dict, name: str, blank_ok: bool = False) -> str:
         """A text argument of at most max_arg_chars (not blank unless `blank_ok`), else a ValueError for the agent."""
