@@ -127,7 +127,7 @@ class Backend:
         self.failures_left, self.down, self.hung = 0, False, False
 
     async def search(self, query: str, k: int) -> list[dict]:
-        probe = query == PROBE["web_search"]
+        probe = query == PROBE["web_search"]["query"]
         if query == "stall" or probe and self.hung:
             self.hung = True
             await asyncio.sleep(3600)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import collections
 import contextlib
 import functools
 import glob
@@ -227,16 +226,12 @@ def unwatch(key, why: str = "") -> None:
         asyncio.ensure_future(entry[2](why))
 
 
-def _timed(read) -> tuple[float, int, float]:  # in the reading thread: its CPU time around the read
-    return time.thread_time(), read(), time.thread_time()
-
-
 async def _watch() -> None:
     share = int(available_mb() * SHARE)  # the limit of the shared cgroup, where there is one
-    loop, held, reads, past = asyncio.get_running_loop(), {}, {}, collections.deque([{}], maxlen=4)
-    while _watched:
-        reads |= {key: loop.run_in_executor(_readers, _timed, read) for key, (read, _, _) in _watched.items()
-                  if key not in reads}  # one read per sandbox at a time, each in a thread: a slow one delays its own
+    loop, held, reads, past = asyncio.get_running_loop(), {}, {}, [{}]  # past: what they held a second ago, and since
+    while _watched:  # one read per sandbox at a time, each in a thread (a slow one delays its own), timed in its CPU
+        reads |= {key: loop.run_in_executor(_readers, lambda r=read: (time.thread_time(), r(), time.thread_time()))
+                  for key, (read, _, _) in _watched.items() if key not in reads}
         await asyncio.wait(reads.values(), timeout=PERIOD)
         for key in [key for key, f in reads.items() if f.done()]:
             cpu, held[key], done = reads.pop(key).result()
@@ -246,11 +241,11 @@ async def _watch() -> None:
         for key, n in list(held.items()):
             if (limit := _watched[key][1]) and n > limit:
                 unwatch(key, f"the sandbox reached its memory limit ({limit >> 20:,} MB)")
-        if held and sum(held.values()) > HIGH * (share << 20):  # v1 at the shared limit: under_oom, all held
+        if held and sum(held.values()) > HIGH * (share << 20):  # (v1 at the shared limit: tasks wait, all is held)
             key = max(held, key=held.get)
             if grew := held[key] <= share << 19:  # none holds half: the one that grew the most in the last second
                 key = max(held, key=lambda k: held[k] - past[0].get(k, 0))
             unwatch(key, f"all sandboxes together reached {HIGH:.0%} of their memory limit ({share:,} MB) while it "
                          f"{'grew' if grew else 'held'} the most ({held[key] >> 20:,} MB)")  # fmt: skip
-        past.append(held)
+        past = (past + [held])[-4:]
         await asyncio.sleep(PERIOD)

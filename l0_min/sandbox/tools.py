@@ -33,7 +33,7 @@ from l0_min.context import valid_text
 log = logging.getLogger(__name__)
 
 TOOLS = ("web_search", "read_page", "submit_final_answer")
-PROBE = {"web_search": "wikipedia", "read_page": "https://example.com"}  # tells a request's failure from the backend's
+PROBE = {"web_search": {"query": "wikipedia", "k": 1}, "read_page": {"ref": "https://example.com"}}  # no agent's
 
 
 class ToolServer:
@@ -160,7 +160,7 @@ class ToolServer:
         return dict(self._calls.get(key, {}))
 
     def backend_errors(self, key: str) -> list[str]:
-        """What went wrong in this episode's backend calls that the backend's probe failed too (`_serving`)."""
+        """What went wrong in this episode's backend calls that the backend's probe failed too (PROBE)."""
         return list(self._errors.get(key, []))
 
     def _done(self, task: asyncio.Task) -> None:
@@ -196,18 +196,13 @@ class ToolServer:
         except Exception as e:  # asyncio.TimeoutError included
             why = (f"the {tool} backend did not answer within {self.timeout:g} s" if isinstance(e, asyncio.TimeoutError)
                    else f"the {tool} backend failed: {type(e).__name__}: {e}")  # fmt: skip
-            if not await self._serving(tool):  # else the request failed, not the backend: an answer to the agent
+            try:  # the backend answers PROBE, a request no agent chose: the request failed, an answer to the agent
+                await asyncio.wait_for(self._backend_call(tool, PROBE[tool]), self.timeout)
+            except Exception:  # it fails too: the backend's failure
                 log.warning("tool %s of episode %s: %s", tool, key, why)
                 self._errors[key] = (self._errors.get(key, []) + [why])[:20]
             return _reply(False, why, 502)
         return _reply(True, result)
-
-    async def _serving(self, tool: str) -> bool:
-        """Whether the backend answers PROBE, a request no agent chose (if not, a call that failed was its failure)."""
-        probe = self.backend.search(PROBE[tool], 1) if tool == "web_search" else self.backend.read_page(PROBE[tool])
-        with contextlib.suppress(Exception):
-            return await asyncio.wait_for(probe, self.timeout) is not None
-        return False
 
     def _text(self, args: dict, name: str, blank_ok: bool = False) -> str:
         """A text argument of at most max_arg_chars (not blank unless `blank_ok`), else a ValueError for the agent."""
