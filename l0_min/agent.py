@@ -5,7 +5,7 @@
       -> the cell's output -> the context watcher adds "<output>...</output> + budget note"
 
 A Step keeps the context ids sent and the action ids and log-probs returned (text is decoded for parsing and display
-only). The episode ends with a final answer the tool server recorded, or on a budget (README "Inside the loop").
+only). The episode ends with a final answer the tool server recorded, or on a budget (docs/internals.md).
 """
 
 from __future__ import annotations

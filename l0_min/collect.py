@@ -6,7 +6,7 @@
 
 Each task runs in its environment (`task.env`). Environment failures are retried, then masked; timeouts dropped up
 to a cap, then failures; an unreachable server ends the run (InferenceDown); a score() that raises fails its episode,
-never the run (README "Inside the loop" has the rules).
+never the run (docs/internals.md "Inside the loop" has the rules).
 """
 
 from __future__ import annotations

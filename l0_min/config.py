@@ -184,7 +184,7 @@ class LearnerConfig:
     reshard: bool = True  # false: FSDP gathers each layer's weights once a step, not per micro-batch (+1 copy held)
     fsdp_unit: int = 1  # decoder layers per FSDP unit: one gather, reduce-scatter and set of hooks for k layers
     mixed_precision: bool | None = None  # bf16 compute, fp32 masters and reduce; None: on with CUDA
-    # the GPU speed paths (learner.py's apply_*; configs/gpu_example.yaml turns them on; README "GPU learner"):
+    # the GPU speed paths (learner.py's apply_*; configs/gpu_example.yaml turns them on; docs/gpu.md "GPU learner"):
     attention: str = "auto"  # auto (one varlen kernel call per micro-batch on CUDA in bf16, else rows) | rows | varlen
     activation_checkpointing: str | bool = "none"  # none | full | selective (true = full, false = none)
     compile: str = "none"  # torch.compile backend for each decoder layer: none | inductor (| aot_eager: tests)

@@ -4,7 +4,7 @@
 
 Actions are appended as the exact ids the sampler returned; only observation text is ever tokenized. When the next
 action would not fit, the context is rebuilt (a new segment): the prompt with an "N earlier steps were dropped" note
-and the notepad's text, then the most recent steps verbatim, as many as fit (README "Inside the loop").
+and the notepad's text, then the most recent steps verbatim, as many as fit (docs/internals.md).
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ from l0_min.episode import Row
 def memory_estimate(config, n_params: int, n_train: int, cfg: LearnerConfig, world: int, mixed: bool, ref: bool) -> dict:
     """GiB per rank at its peak, by part: fp32 masters, gradients, AdamW's moments, the KL reference (sharded); the
     gathered copies (root and two units in flight); a micro-batch's activations (what checkpointing keeps, then the
-    larger of a layer's backward and the head's chunk). Within -0.02..+0.65 GiB of 10 measured peaks (README)."""
+    larger of a layer's backward and the head's chunk). Within -0.02..+0.65 GiB of 10 measured peaks (docs/gpu.md)."""
     h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     a, t, v, kv = 2 if mixed else 4, cfg.micro_batch_tokens, config.vocab_size, config.num_key_value_heads
     kv *= getattr(config, "head_dim", None) or h // config.num_attention_heads

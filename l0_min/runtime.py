@@ -72,7 +72,7 @@ def check_sandbox(cfg) -> None:
 
 async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> None:
     """Every worker loads the weights folder `folder` and confirms `version`; then the other step_* folders beside it
-    go. A failed load raises (SGLang's rollback re-reads the new folder, README), so train.py stops."""
+    go. A failed load raises (SGLang's rollback re-reads the new folder, docs/gpu.md), so train.py stops."""
     folder = Path(folder).resolve()
     await policy.update_weights_from_disk(str(folder), version)
     for old in folder.parent.glob("step_*"):

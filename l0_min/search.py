@@ -1,7 +1,7 @@
 """Host-side search and page backends behind the agent's `web_search` / `read_page` tools: `BM25Backend` (local,
 the offline default), `RetrieverClient` (a Search-R1-compatible retriever), `SerperBackend` (Google via serper.dev,
 pages via the Jina reader), each with `async search(query, k)` (best first) and `async read_page(ref)`. A missing
-page is a normal answer; a failing backend raises `SearchError`, an environment failure (README "Inside the loop").
+page is a normal answer; a failing backend raises `SearchError`, an environment failure (docs/internals.md).
 """
 
 from __future__ import annotations

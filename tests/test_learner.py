@@ -215,7 +215,7 @@ def test_memory_estimate_is_the_hand_computation_for_qwen25_3b_and_stops_start_u
     assert got == pytest.approx(want, rel=1e-12)
     assert [round(x, 2) for x in got.values()] == [2.87, 2.87, 5.75, 1.44, 0.87, 10.27]  # 24.1 GiB a rank
     one = learner.memory_estimate(config, n, n, cfg, world=1, mixed=True, ref=False)
-    assert sum(one.values()) == pytest.approx(57.1, abs=0.05)  # one H100 measured 57.0 (README)
+    assert sum(one.values()) == pytest.approx(57.1, abs=0.05)  # one H100 measured 57.0 (docs/gpu.md)
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
     with pytest.raises(learner.NoRoom, match=r"the learner needs ~24.1 GiB on GPU 3 \(weights 2.9, grads 2.9, AdamW 5.7, "

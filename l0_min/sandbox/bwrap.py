@@ -1,4 +1,4 @@
-"""The bubblewrap sandbox of one kernel: what it can see and what it can do (README "The sandbox" has the whole map).
+"""The bubblewrap sandbox of one kernel: what it can see and what it can do (docs/internals.md, "The sandbox").
 
 A kernel starts as `sh -c '<oom_score_adj 1000, join its cgroups> exec bwrap --args 3 ...' -- prlimit <limits> --
 [setpriv <uid>] -- python -m l0_toolbox.boot -f /run/l0/conn.json`; bwrap reads its options, the seccomp filter and

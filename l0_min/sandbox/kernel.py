@@ -7,7 +7,7 @@
 
 `execute` never raises for problems of the code it runs: errors, timeouts and a dead kernel are fields of the
 result, a death the agent's own doing (`crashed`) unless the host caused it (`death`). What a kernel sends is
-hostile and bounded before it becomes Python objects (README "Inside the loop" has the protocol and the bounds).
+hostile and bounded before it becomes Python objects (docs/internals.md "Inside the loop": protocol, bounds).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@
 
 The socket a request arrives on names its episode; printed text is never parsed for answers. Every request and call
 is bounded (connections, rate, sizes, time), and an episode's backend calls take turns in its own line, so one
-episode's searches delay only itself (README "Inside the loop" has the bounds).
+episode's searches delay only itself (docs/internals.md "Inside the loop" has the bounds).
 """
 
 from __future__ import annotations
