@@ -214,7 +214,7 @@ class RolloutConfig:
 
 @dataclass
 class SFTConfig:
-    """The cold start before RL (train.py): expert episodes (envs.ExpertPolicy, real kernels), the learner."""
+    """The cold start before RL (train.py): expert episodes (collect.ExpertPolicy, real kernels), the learner."""
 
     episodes: int = 0  # expert episodes, of each source's first training tasks of `kinds`, by sft_weight (0: no SFT)
     kinds: list[str] = field(default_factory=list)  # task kinds (meta 'kind') the expert shows (empty: all)

@@ -26,7 +26,7 @@ import re
 from fractions import Fraction
 
 from l0_min import data
-from l0_min.answers import answer_reward, numbers_equal, parse_number, split
+from l0_min.answers import answer_reward, numbers_equal, parse_number
 from l0_min.envs import TaskEnvBase
 from l0_min.episode import Episode, Task
 
@@ -261,21 +261,16 @@ class Math(TaskEnvBase):
     metrics = ("correct",)
     system_prompt, worked_example = SYSTEM_PROMPT, WORKED_EXAMPLE
 
-    def tasks(self, source: str, limit: int | None = None) -> list[Task]:
-        """"synthetic[:train|:heldout]" (the generator above, data.synthetic_*), GSM8K by name, or a file."""
-        d = self.cfg.data
-        if source.split(":")[0] != "synthetic":
-            tasks = data.load_tasks(source, d, limit)
-            if bad := next((t for t in tasks if parse_number(t.answers[0]) is None), None):
-                raise ValueError(f"row {bad.meta.get('row')} ({bad.id}): the gold answer {bad.answers[0]!r} is not a "
-                                 "number (env math grades numbers)")
-            return tasks
-        part = source.split(":", 1)[1] if ":" in source else "all"
-        ts = make_tasks(d.synthetic_seed, d.synthetic_tasks)
-        parts = dict(zip(("train", "heldout"), split(ts, d.synthetic_heldout)), all=ts)
-        if part not in parts:
-            raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
-        return [t for t in parts[part] if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
+    def synthetic(self, seed: int, n: int) -> list[Task]:  # the generator above (data.synthetic_*)
+        return make_tasks(seed, n)
+
+    def load(self, source: str, limit: int | None = None) -> list[Task]:
+        """GSM8K by name, or a file."""
+        tasks = data.load_tasks(source, self.cfg.data, limit)
+        if bad := next((t for t in tasks if parse_number(t.answers[0]) is None), None):
+            raise ValueError(f"row {bad.meta.get('row')} ({bad.id}): the gold answer {bad.answers[0]!r} is not a "
+                             "number (env math grades numbers)")
+        return tasks
 
     def score(self, ep: Episode) -> dict[str, float]:
         """L0's answer reward with numeric equivalence in place of exact match: 0.9 * correct + 0.1 * answered."""

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Iterable
 
 from l0_min import data
-from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, split, token_f1
+from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, token_f1
 from l0_min.envs import TaskEnvBase, settings
 from l0_min.episode import Episode, Task
 
@@ -139,9 +139,6 @@ class World:
     corpus: list[dict]  # [{id, title, text}]
     tasks: list[Task]
     seed: int = 0
-
-    def split(self, held_out: float = 0.2) -> tuple[list[Task], list[Task]]:
-        return split(self.tasks, held_out)
 
 
 def _date_text(y: int, m: int, d: int) -> str:
@@ -729,18 +726,11 @@ class QA(TaskEnvBase):
         if self.settings.answer_metric not in ("em", "f1"):
             raise ValueError(f"envs.qa.answer_metric must be 'em' or 'f1', got {self.settings.answer_metric!r}")
 
-    def tasks(self, source: str, limit: int | None = None) -> list[Task]:
-        """"synthetic[:train|:heldout]" (the world of data.synthetic_* and envs.qa.entities), a benchmark name or a
-        file."""
-        d = self.cfg.data
-        if source.split(":")[0] != "synthetic":
-            return data.load_tasks(source, d, limit)
-        part = source.split(":", 1)[1] if ":" in source else "all"
-        w = make_world(d.synthetic_seed, self.settings.entities, d.synthetic_tasks)
-        parts = dict(zip(("train", "heldout"), split(w.tasks, d.synthetic_heldout)), all=w.tasks)
-        if part not in parts:
-            raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
-        return [t for t in parts[part] if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
+    def synthetic(self, seed: int, n: int) -> list[Task]:  # the world of data.synthetic_* and envs.qa.entities
+        return make_world(seed, self.settings.entities, n).tasks
+
+    def load(self, source: str, limit: int | None = None) -> list[Task]:  # a benchmark name or a file
+        return data.load_tasks(source, self.cfg.data, limit)
 
     def score(self, ep: Episode) -> dict[str, float]:
         """L0's answer reward (0.9 * EM + 0.1 * answered; envs.qa.answer_metric "f1" puts F1 in place of EM), with
