@@ -36,7 +36,7 @@ import aiohttp
 from l0_min import config as config_mod
 from l0_min.context import ChatFormat
 from l0_min.answers import has_answer
-from l0_min.data import DataError, Tasks, benchmark_name, load_benchmark
+from l0_min.data import DataError, Tasks
 from l0_min.envs import load_env
 from l0_min.episode import ANSWERED, Episode
 from l0_min.evaluation import (EvalError, ResultsFile, check_run_info, first_line, format_summary, judge_record,
@@ -322,26 +322,24 @@ def report_notes(metrics: dict, search: str, cfg, mode: str) -> list[str]:
 
 
 def load_tasks_and_env(args, cfg):
-    """The questions (the whole file: its paragraphs make the closed corpus) and their environment: --env reads
-    its own source, else the file's layout names it (gsm8k: math); the environment's judge if one is asked for."""
-    bench = benchmark_name(args.bench, known=not (args.data or args.env))
+    """The questions (the whole file: its paragraphs make the closed corpus) and their environment (--env, else
+    math for gsm8k, else qa), which reads --bench (a name, a file, or a source of its own) from --data (a file, or a
+    folder holding <bench>/<file>); the environment's judge if one is asked for."""
+    if args.data:
+        cfg.data.data_dir = args.data
     try:
-        if args.env and not args.data:  # the environment's own tasks ("synthetic:heldout", a name it knows)
-            env = load_env(args.env, cfg)
-            all_tasks = Tasks(env.tasks(args.bench), source=args.bench)
-        else:
-            all_tasks = load_benchmark(bench, path=args.data, skip_bad_rows=cfg.data.skip_bad_rows,
-                                       data_dir=cfg.data.data_dir or None)  # fmt: skip
-            env = load_env(args.env or all_tasks[0].env, cfg)
+        env = load_env(args.env or ("math" if args.bench.strip().lower() == "gsm8k" else "qa"), cfg)
+        tasks = env.tasks(args.bench)
     except DataError:
         raise
     except ValueError as e:  # an environment that cannot load, a source it cannot read
         raise EvalError(str(e)) from None
+    all_tasks = tasks if isinstance(tasks, Tasks) else Tasks(tasks, source=args.bench)
     for t in all_tasks:
         t.env = env.name
     if args.judge_url and env.judge_prompt("q", ["a"], "a") is None:
         raise EvalError(f"--judge-url: env {env.name!r} has no judge (its judge_prompt() returns None)")
-    return bench, all_tasks, env
+    return args.bench.strip(), all_tasks, env
 
 
 def search_setting(args, cfg, env, bench: str, all_tasks) -> tuple[str, list[str]]:

@@ -21,7 +21,8 @@ from typing import Awaitable, Callable
 
 from l0_min.answers import has_answer
 from l0_min.envs import solved
-from l0_min.episode import ENV_ERROR, Episode, is_number
+from l0_min.config import is_number
+from l0_min.episode import ENV_ERROR, Episode
 from l0_min.log import label, open_jsonl, read_jsonl, write_jsonl
 
 

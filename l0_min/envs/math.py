@@ -242,6 +242,40 @@ def expert_actions(task: Task) -> list[str] | None:
     return [f"<think>{plan}</think>\n<code>" + "\n".join(code) + "</code>"]
 
 
+# --------------------------------------------------------------------------------- GSM8K files
+BENCHMARKS = {"gsm8k": ("openai/gsm8k", "main/test-00000-of-00001.parquet")}  # name -> (hub dataset repo, file)
+
+
+def load_tasks(spec: str, cfg=None, limit: int | None = None) -> data.Tasks:
+    """GSM8K by name (data.data_dir, $L0_MIN_DATA or the hub), or a file of {question, answer} rows."""
+    spec = "gsm8k" if spec.strip().lower() == "gsm8k" else spec
+    return data.load(spec, BENCHMARKS, parser, cfg, limit)
+
+
+def parser(benchmark: str | None, path):
+    """The row parser of one file: GSM8K's rows (a worked solution ending "#### <number>", the number the gold) where
+    its first row is one, else rows whose answer is a number.
+
+    >>> parser("gsm8k", "x")({"question": "2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\\n#### 4"})
+    ('2 + 2?', ['4'], {'solution': '2 + 2 = <<2+2=4>>4', 'benchmark': 'gsm8k'})
+    """
+    gsm8k = None
+
+    def parse(row: dict) -> tuple[str, list[str], dict]:
+        nonlocal gsm8k
+        q, answer = data.text_field(row, "question"), data.text_field(row, "answer")
+        gsm8k = ("####" in answer) if gsm8k is None else gsm8k
+        solution, mark, gold = answer.rpartition("#### ") if gsm8k else ("", "", answer)
+        if gsm8k and (not mark or not gold.strip()):
+            raise data.RowError("GSM8K layout: field 'answer' must end with '#### <number>' (the gold)")
+        if "####" in solution:
+            raise data.RowError("GSM8K layout: field 'answer' has more than one '####' mark (which one is the gold?)")
+        if parse_number(gold := gold.replace(",", "").strip()) is None:
+            raise data.RowError(f"the gold answer {gold!r} is not a number (env math grades numbers)")
+        return q, [gold], {"solution": solution.rstrip("\n"), "benchmark": benchmark or "gsm8k" * gsm8k or None}
+    return parse
+
+
 # ------------------------------------------------------------------------------- the environment
 
 SYSTEM_PROMPT = """\
@@ -265,12 +299,7 @@ class Math(TaskEnvBase):
         return make_tasks(seed, n)
 
     def load(self, source: str, limit: int | None = None) -> list[Task]:
-        """GSM8K by name, or a file."""
-        tasks = data.load_tasks(source, self.cfg.data, limit)
-        if bad := next((t for t in tasks if parse_number(t.answers[0]) is None), None):
-            raise ValueError(f"row {bad.meta.get('row')} ({bad.id}): the gold answer {bad.answers[0]!r} is not a "
-                             "number (env math grades numbers)")
-        return tasks
+        return load_tasks(source, self.cfg.data, limit)
 
     def score(self, ep: Episode) -> dict[str, float]:
         """L0's answer reward with numeric equivalence in place of exact match: 0.9 * correct + 0.1 * answered."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import math
@@ -30,6 +31,8 @@ from http import HTTPStatus
 from pathlib import Path
 
 from aiohttp import web
+
+from l0_min.config import is_number
 
 log = logging.getLogger("l0_min.serve")
 STATE = web.AppKey("l0_min_state", dict)
@@ -69,14 +72,11 @@ UNSUPPORTED_SAMPLING = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0
                         "sampling_seed": ()}
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
+_is_int = functools.partial(is_number, integer=True)
 # JSON type checks by the name a message gives them
 _TYPES = {
     "an integer": _is_int,
-    "a number": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+    "a number": is_number,
     "a boolean": lambda x: isinstance(x, bool),
     "a string or a list of strings": lambda x: isinstance(x, str) or (isinstance(x, list)
                                                                      and all(isinstance(s, str) for s in x)),
