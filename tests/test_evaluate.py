@@ -918,7 +918,9 @@ def test_a_judge_outage_loses_no_generation_and_the_next_run_judges_the_rest(ser
     tasks = tasks_of(data)[:3]
     server.use(tasks, policy={t.question: ["gold", "wrong", "silent"][i] for i, t in enumerate(tasks)}.get)
     server.chat_status = 503
-    monkeypatch.setattr(evaluate, "chat_completion", functools.partial(evaluate.chat_completion, tries=1))  # no backoff
+    import l0_min.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "chat_completion", functools.partial(evaluation.chat_completion, tries=1))  # no backoff
     out = tmp_path / "outage"
     args = ["--bench", "hotpotqa", "--data", str(data), "--mode", "direct", "--limit", "3", "--judge-model", "judge-x",
             "--judge-url", server.url + "/v1/chat/completions"]  # written out: accepted
