@@ -335,6 +335,27 @@ def core_reward(ep: Episode) -> float:
     return float(ep.rewards.get("core", 0.0))
 
 
+async def _group(svc: Services, task: Task, gi: int, rc: RolloutConfig, draw: random.Random) -> list[Episode]:
+    """A group of `rc.n_samples` episodes of one task; with rollout.resample, all from one expert prefix."""
+    expert = svc.envs[task.env].expert(task) if rc.resample and draw.random() < rc.resample else None
+    k = draw.randint(1, len(expert) - 1) if expert and len(expert) > 1 else 0  # one state for the whole group
+    jobs = [asyncio.ensure_future(run_one(svc, task, gi, s, k)) for s in range(rc.n_samples)]
+    try:
+        return list(await asyncio.gather(*jobs))
+    finally:  # one sample raised (InferenceDown) or the group was cancelled: stop its siblings
+        await _cancel(jobs)
+
+
+def _drop_timeouts(eps: list[Episode], stats: dict, max_dropped: int) -> list[Episode]:
+    """Timed-out episodes are dropped while the batch has dropped fewer than `max_dropped`, kept as failures past it."""
+    kept = []
+    for ep in eps:
+        drop = ep.status == TIMEOUT and stats["timeouts_dropped"] < max_dropped
+        stats["timeouts_dropped" if drop else "timeouts_kept"] += ep.status == TIMEOUT
+        kept += [] if drop else [ep]
+    return kept
+
+
 async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool = True) -> Batch:
     """`rc.batch_size` groups of `rc.n_samples` episodes for one training step."""
     t0 = time.perf_counter()
@@ -345,22 +366,13 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
 
     draw = random.Random(f"{getattr(stream, 'seed', 0)}-{stream.position}")  # which groups start from an expert prefix
 
-    async def group(gi: int, task: Task) -> list[Episode]:
-        expert = svc.envs[task.env].expert(task) if rc.resample and draw.random() < rc.resample else None
-        k = draw.randint(1, len(expert) - 1) if expert and len(expert) > 1 else 0  # one state for the whole group
-        jobs = [asyncio.ensure_future(run_one(svc, task, gi, s, k)) for s in range(rc.n_samples)]
-        try:
-            return list(await asyncio.gather(*jobs))
-        finally:  # one sample raised (InferenceDown) or the group was cancelled: stop its siblings
-            await _cancel(jobs)
-
     kept: list[list[Episode]] = []
     dropped: list[list[Episode]] = []  # by dynamic sampling, for topping up
     running: set[asyncio.Task] = set()
     extra_left = rc.max_extra_groups if dynamic_sampling else 0
 
     def launch() -> None:
-        running.add(asyncio.create_task(group(stats["groups_launched"], stream.next())))
+        running.add(asyncio.create_task(_group(svc, stream.next(), stats["groups_launched"], rc, draw)))
         stats["groups_launched"] += 1
 
     for _ in range(rc.batch_size + rc.over_sample_groups):
@@ -373,14 +385,7 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
                 eps = fut.result()  # InferenceDown propagates and ends the run
                 if len(kept) == rc.batch_size:  # finished together with the last group needed
                     continue
-                # timeouts: dropped under the global cap, kept as failures past it
-                for ep in [e for e in eps if e.status == TIMEOUT]:
-                    if stats["timeouts_dropped"] < max_dropped:
-                        stats["timeouts_dropped"] += 1
-                        eps.remove(ep)
-                    else:
-                        stats["timeouts_kept"] += 1
-                if not eps:
+                if not (eps := _drop_timeouts(eps, stats, max_dropped)):
                     launch()
                     continue
                 rewards = [core_reward(e) for e in eps]
