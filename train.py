@@ -91,8 +91,8 @@ if rank0:  # each source's tasks in its environment (l0_min/envs: qa, math, file
 
 import torch.distributed as dist  # noqa: E402
 
-from l0_min.collect import Batches, InferenceDown, TaskStream, run_tasks  # noqa: E402
-from l0_min.envs import ExpertPolicy, solved  # noqa: E402
+from l0_min.collect import Batches, ExpertPolicy, InferenceDown, TaskStream, run_tasks  # noqa: E402
+from l0_min.envs import solved  # noqa: E402
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
 from l0_min.evaluation import format_summary, summarize_episodes, two_proportion_z_test  # noqa: E402
 from l0_min.distributed import close_distributed, from_rank0, init_distributed  # noqa: E402
@@ -264,7 +264,7 @@ signal.signal(signal.SIGTERM, on_signal)
 
 # ---------------------------------------------------------------------------------------------
 # 4. the SFT cold start (sft.episodes, sft.steps): expert episodes of training tasks (each environment's expert,
-#    envs.ExpertPolicy) run through the real kernels and tools; the learner takes the log-likelihood of their actions
+#    collect.ExpertPolicy) run through the real kernels and tools; the learner takes the log-likelihood of their actions
 
 step, exit_code, stopped = start_step, 0, False
 if step < sft_steps:

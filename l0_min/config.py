@@ -214,7 +214,7 @@ class RolloutConfig:
 
 @dataclass
 class SFTConfig:
-    """The cold start before RL (train.py): expert episodes (envs.ExpertPolicy, real kernels), the learner."""
+    """The cold start before RL (train.py): expert episodes (collect.ExpertPolicy, real kernels), the learner."""
 
     episodes: int = 0  # expert episodes, of each source's first training tasks of `kinds`, by sft_weight (0: no SFT)
     kinds: list[str] = field(default_factory=list)  # task kinds (meta 'kind') the expert shows (empty: all)
@@ -281,6 +281,11 @@ class Config:
 
 
 # ---------------------------------------------------------------- loading, overriding, checking
+def is_number(v, integer: bool = False) -> bool:
+    """A number a setting, score or JSON field can be (a bool is not one); with `integer`, an int."""
+    return isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
+
+
 def check(value, tp, key: str):
     """`value` as type `tp`, or ConfigError naming `key`. Ints pass for floats, numbers for strings, "a,b"
     (a command-line value) for a list, a mapping or a string (its first field) for a section in a list."""
@@ -298,11 +303,11 @@ def check(value, tp, key: str):
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and tp in (float, str):
+    if is_number(value) and tp in (float, str):
         return tp(value)
     if tp is float and isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
         return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+    if not (is_number(value, integer=True) if tp is int else isinstance(value, tp)):
         raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r} ({type(value).__name__})")
     return value
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from l0_min.envs import solved
-from l0_min.episode import ANSWERED, STATUSES, Episode, is_number
+from l0_min.config import is_number
+from l0_min.episode import ANSWERED, STATUSES, Episode
 from l0_min.viewer import write_viewer
 
 

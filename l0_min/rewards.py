@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from l0_min.config import RewardConfig
+from l0_min.config import RewardConfig, is_number
 from l0_min.episode import Episode
 
 THINK = re.compile(r"<think>(.*?)</think>", re.S)  # the agent splits actions with it too
@@ -56,7 +56,7 @@ def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
     """
     scores = env.score(ep)
     core = scores.get("core") if isinstance(scores, dict) else None
-    if not (isinstance(core, (int, float)) and not isinstance(core, bool) and 0.0 <= core <= 1.0):
+    if not (is_number(core) and 0.0 <= core <= 1.0):
         raise ValueError(f"env {env.name!r}: score() of task {ep.task.id!r} returned {str(scores)[:200]}: expected a dict "
                          "whose 'core' is a number in [0, 1]")  # fmt: skip
     core = float(core)

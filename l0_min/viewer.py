@@ -20,7 +20,8 @@ import re
 from html import escape
 from pathlib import Path
 
-from l0_min.episode import STATUSES, is_number
+from l0_min.config import is_number
+from l0_min.episode import STATUSES
 
 
 def _e(x) -> str:

@@ -36,7 +36,7 @@ import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec
 
-from l0_min.config import KernelConfig, SandboxConfig
+from l0_min.config import KernelConfig, SandboxConfig, is_number
 from l0_min.context import valid_text
 from l0_min.sandbox import bwrap as sb
 from l0_min.sandbox import cgroup
@@ -178,8 +178,7 @@ def check(kcfg: KernelConfig) -> None:
         ("max_starting", True, 0, False),
     ]:  # fmt: skip
         v = getattr(kcfg, name)
-        typed = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
-        if not typed or v < least or strict and v == least or name == "max_output_chars" and v > 100_000:
+        if not is_number(v, integer) or v < least or strict and v == least or name == "max_output_chars" and v > 100_000:
             want = f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {least}"
             raise ValueError(f"kernel.{name} must be {want}{' and <= 100,000' * (name == 'max_output_chars')}, got {v!r}")
 

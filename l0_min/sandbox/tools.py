@@ -27,6 +27,7 @@ from collections import Counter, OrderedDict
 
 from aiohttp import web
 
+from l0_min.config import is_number
 from l0_min.context import valid_text
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ class ToolServer:
             raise ValueError("no search backend is configured (tools.search=none)")
         if tool == "web_search":
             query, k = valid_text(self._text(args, "query")), args.get("k", self.top_k)
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 20:
+            if not is_number(k, integer=True) or not 1 <= k <= 20:
                 raise ValueError(f"k must be an integer from 1 to 20, got {k!r}")
             hits = await self.backend.search(query, k)
             return [{"id": str(h.get("id", "")), "title": str(h.get("title", "")),
