@@ -1,6 +1,6 @@
 """Every setting of l0_min, as one tree of dataclasses with defaults in code.
 
-Resolution order: defaults here < `--config file.yaml` < trailing `section.key=value` arguments.
+Resolution order: defaults here < `--config file.yaml` (after its `base:` chain) < trailing `section.key=value` args.
 An unknown key or a value of the wrong type is an error that names the key:
 
     >>> cfg = resolve(["algo.gamma=0.9", "rollout.n_samples=4"])
@@ -346,23 +346,33 @@ def parse_override(arg: str) -> dict:
     return out
 
 
+def _apply_file(cfg: Config, path: Path, chain: tuple[Path, ...] = ()) -> None:
+    """`path`'s base chain (its `base:`, a path relative to it, and that file's, ...) root first, then `path`."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (f" (the base of {chain[-1]})" if chain else ""))
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    if "base" in data:
+        if not isinstance(base := data.pop("base"), str):
+            raise ConfigError(f"{path}: base: expected a path relative to this file, got {base!r}")
+        if (base := path.parent / base).resolve() in [p.resolve() for p in (*chain, path)]:
+            raise ConfigError(f"config base cycle: {' -> '.join(map(str, (*chain, path, base)))}")
+        _apply_file(cfg, base, (*chain, path))
+    try:
+        _apply(cfg, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
 def resolve(overrides: list[str] = (), config_file: str | Path | None = None, base: Config | None = None) -> Config:
-    """Defaults (or `base`) < config file < overrides."""
+    """Defaults (or `base`) < config file (after its base chain) < overrides."""
     cfg = base or Config()
     if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-        try:
-            _apply(cfg, data)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        _apply_file(cfg, Path(config_file))
     for arg in overrides:
         _apply(cfg, parse_override(arg))
     return cfg
