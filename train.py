@@ -99,7 +99,8 @@ from l0_min.distributed import close_distributed, from_rank0, init_distributed  
 from l0_min.learner import Learner, NoRoom, shard_rows  # noqa: E402
 from l0_min.log import MetricsLogger, RunDir, batch_metrics, label, log_step, plot_rewards, step_header  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
-from l0_min.runtime import PEAK_MB, rollout_env, settle_gc, sync_weights  # noqa: E402
+from l0_min.inference import InferenceError  # noqa: E402
+from l0_min.runtime import PEAK_MB, rollout_env, servers_ready, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
 
 try:
@@ -111,25 +112,30 @@ except (RuntimeError, ValueError) as e:  # learner.device=cuda without CUDA (dis
 control = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
 
 
-# rank 0 names the run folder and builds or converts a built-in model; every rank gets both
+# rank 0 names the run folder, builds or converts a built-in model and waits for the inference servers (one on the
+# learner's GPU holds its memory once loaded: the learner's memory check must see it); every rank gets both names
 try:
     model_path = resolve_model(cfg.model.path) if rank0 else None
+    if rank0 and cfg.inference.urls:
+        asyncio.run(servers_ready(cfg))
 except FileNotFoundError as e:
     fail(f"model.path: {e}")
+except (InferenceError, ValueError) as e:
+    fail(f"inference.urls: {e}")
 run_name = Path(args.resume) if args.resume else Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 run_path, model_path = map(Path, from_rank0((str(run_name), str(model_path)), control))
-run = RunDir(run_path)
-checkpoints = sorted(run.checkpoints.glob("step_*"))
+checkpoints = sorted((run_path / "checkpoints").glob("step_*"))
 if args.resume and not checkpoints:
-    fail(f"--resume {run_path}: no checkpoint in {run.checkpoints}")
+    fail(f"--resume {run_path}: no checkpoint in {run_path / 'checkpoints'}")
 
 # ---------------------------------------------------------------------------------------------
-# 2. the learner (all ranks); a resumed run continues from its last checkpoint
+# 2. the learner (all ranks); a resumed run continues from its last checkpoint; the run folder once it fits
 
 try:
     learner = Learner(model_path, cfg.learner, cfg.algo, total_steps=cfg.run.steps, temperature=cfg.sampling.temperature)
 except (ValueError, NoRoom) as e:  # a speed setting that cannot run here; a GPU without room for the learner
     fail(str(e))
+run = RunDir(run_path)
 start_step, position = 0, 0
 if args.resume:
     position = learner.load(checkpoints[-1])["task_position"]

@@ -138,6 +138,13 @@ async def policy_client(cfg: Config, model_path: str | Path, log_dir: str | Path
         yield client
 
 
+async def servers_ready(cfg: Config) -> None:
+    """Wait until inference.urls answer /health (train.py, before the learner: a server on its GPU has then taken the
+    memory the learner's check must leave it)."""
+    async with policy_client(cfg, ""):
+        pass
+
+
 @contextlib.asynccontextmanager
 async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: list, envs: dict,
                       log_dir: str | Path | None = None):
