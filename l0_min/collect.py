@@ -82,7 +82,7 @@ def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: 
     del _l0_write, web_search
     """
     for path in files:
-        if not re.fullmatch(r"[\w.-]+(/[\w.-]+)*", path) or ".." in path.split("/"):
+        if not re.fullmatch(r"[\w.-]+(/[\w.-]+)*", path) or {".", ".."} & set(path.split("/")):
             raise ValueError(f"setup: workspace file {path!r} is not a relative path of letters, digits, '._-'")
         if long := [part for part in path.split("/") if len(part.encode()) > 255]:
             raise ValueError(f"setup: workspace file name {long[0][:40]!r}... is {len(long[0].encode())} bytes (at most 255)")
@@ -108,7 +108,11 @@ async def prepare(kernel, env: TaskEnv, task: Task, tools: Tools, timeout: float
     """Give a fresh kernel the task's host tools and workspace files; raises if the sandbox cannot be set up."""
     tools.allow(kernel.id, env.tools)
     drop = tuple(t for t in SEARCH_TOOLS if t not in env.tools)
-    for cell in setup_cells(env.files(task), drop):
+    try:
+        cells = setup_cells(env.files(task), drop)
+    except ValueError as e:  # the environment's files(): its mistake, named
+        raise ValueError(f"env {env.name!r}: files() of task {task.id}: {e}") from None
+    for cell in cells:
         res = await kernel.execute(cell, timeout=timeout)
         if not res.ok:  # the error's last lines: the cause, not the echo of a long file
             raise RuntimeError(f"setting up the workspace of task {task.id} failed: {res.text()[-500:]}")
@@ -227,17 +231,22 @@ async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, pr
             break
     ep.group, ep.sample = group, sample
     ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # after max_retries: a zero-weight placeholder for stats
-    _score(ep, svc.cfg.reward, svc.envs[task.env])
+    _score(ep, svc)
     return ep
 
 
-def _score(ep: Episode, cfg, env: TaskEnv) -> None:
+def _score(ep: Episode, svc: Services) -> None:
     """score_episode, where what the environment's score() raises ends no run: raised on the agent's answer (not on
-    none), the episode is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error)."""
+    none), the episode is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error).
+    Each cause (environment, exception) is counted (svc.counters: the step's metrics) and printed at its 1st, 10th,
+    100th ... episode."""
+    cfg, env = svc.cfg.reward, svc.envs[ep.task.env]
     try:
         return score_episode(ep, cfg, env)
     except Exception as e:
         ep.error = f"the environment's score() raised {type(e).__name__} on the answer: {str(e)[:300]}"
+        cause = f"score_errors/{env.name}/{type(e).__name__}"
+        n = svc.counters[cause] = svc.counters.get(cause, 0) + 1
     answer, ep.final_answer = ep.final_answer, None
     try:
         score_episode(ep, cfg, env)
@@ -245,7 +254,8 @@ def _score(ep: Episode, cfg, env: TaskEnv) -> None:
         ep.status, ep.masked, ep.error = ENV_ERROR, True, ep.error.replace(" on the answer", "")
         score_episode(ep, cfg, SimpleNamespace(name="", score=lambda ep: {"core": 0.0}))
     ep.final_answer = answer
-    log.warning("episode of task %s: %s", ep.task.id, ep.error)
+    if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
+        log.warning("episode of task %s: %s (%d episode(s) so far of this cause, %s)", ep.task.id, ep.error, n, cause)
 
 
 async def run_tasks(svc: Services, tasks: list[Task], n_samples: int = 1,

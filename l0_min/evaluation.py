@@ -368,6 +368,8 @@ def format_summary(m: dict) -> str:
         parts.append(f"judge accuracy {_pct(m['judge']['accuracy'])}")
         if m["judge"].get("unparsed_samples"):
             parts.append(f"{m['judge']['unparsed_samples']} judge replies unparsed")
+    if masked := m.get("status", {}).get(ENV_ERROR):
+        parts.append(f"{masked} masked as environment errors (scored 0)")
     return " | ".join(parts + [f"{m['n']} episodes" if m.get("unit") == "episodes" else f"{m['n']} questions x {m['k']} samples"])
 
 

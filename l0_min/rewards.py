@@ -59,6 +59,9 @@ def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
     if not (is_number(core) and 0.0 <= core <= 1.0):
         raise ValueError(f"env {env.name!r}: score() of task {ep.task.id!r} returned {str(scores)[:200]}: expected a dict "
                          "whose 'core' is a number in [0, 1]")  # fmt: skip
+    if (head := getattr(env, "metrics", ("core",))[0]) not in scores:
+        raise ValueError(f"env {env.name!r}: score() of task {ep.task.id!r} returned {', '.join(map(repr, scores))}: "
+                         f"no {head!r}, its headline metric (metrics[0])")
     core = float(core)
     own = [s for s in ep.steps if not s.prefix]  # an expert prefix (rollout.resample) earns nothing: not the policy's
     n, m = len(own), sum(1 for s in own if s.exec_ok is not None)

@@ -89,7 +89,7 @@ def test_setup_cells_write_files_in_pieces_and_drop_tools_and_refuse_odd_paths(t
         exec(cell, ns)
     assert all((tmp_path / p).read_text() == text for p, text in big.items())
     assert setup_cells({}, ("read_page",)) == ["del read_page"] and setup_cells({}) == []
-    for bad in ("/etc/passwd", "../up.txt", "a/../../b", "a b.txt", ""):
+    for bad in ("/etc/passwd", "../up.txt", "a/../../b", "a b.txt", "", ".", "a/./b", "./x"):  # '.': issue 44
         with pytest.raises(ValueError, match="not a relative path"):
             setup_cells({bad: "x"})
     with pytest.raises(ValueError, match=r"setup: workspace file name 'aaaa.*'... is 256 bytes \(at most 255\)"):

@@ -1006,3 +1006,19 @@ def test_a_csv_with_a_byte_order_mark_loads_and_a_bad_encoding_names_its_fix(ser
             tasks_of(path)
         assert "row 1: not UTF-8 text (byte 0x93): fix the encoding of the file (e.g. iconv -f cp1252 -t utf-8 IN > OUT" \
                in one_line(e) and "for a .gz file: gunzip -c IN | iconv -f cp1252 -t utf-8 | gzip > OUT" in str(e.value)
+
+
+def test_a_gsm8k_file_given_by_bench_name_gets_the_math_environments_row_checks(tmp_path):
+    """Issue 44: `--bench gsm8k --data FILE` skipped the math environment's check that golds are numbers (a gold of
+    'seven' was kept and could never score; --env math refused it), and a row with two '####' silently took the last."""
+    good = {"question": "2 + 5?", "answer": "2 + 5 = <<2+5=7>>7\n#### 7"}
+    for bad, why in (({"question": "How many?", "answer": "Count them.\n#### seven"}, "the gold answer 'seven' is not a number"),
+                     ({"question": "Sum?", "answer": "1 + 1 = 2\n#### 2\nSo 3.\n#### 3"}, "more than one '####' mark")):
+        path = tmp_path / "gsm8k.jsonl"
+        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+        args = evaluate.parse_args(["--bench", "gsm8k", "--data", str(path)])
+        with pytest.raises(DataError, match=rf"gsm8k.jsonl: row 2: [^\n]*{why}"):
+            evaluate.load_tasks_and_env(args, evaluate.eval_config(args))
+    path.write_text(json.dumps(good) + "\n")
+    _, tasks, env = evaluate.load_tasks_and_env(args, evaluate.eval_config(args))
+    assert env.name == "math" and [t.answers for t in tasks] == [["7"]]
