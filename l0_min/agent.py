@@ -43,6 +43,7 @@ class Tools(Protocol):
     def allow(self, key: str, tools: tuple[str, ...]) -> None: ...  # the search tools the episode's task gets
     def final_answer(self, key: str) -> str | None: ...
     def tool_calls(self, key: str) -> dict[str, int]: ...
+    def served(self, key: str) -> list[tuple[str, str]]: ...  # (tool, page) pairs, in order
     def backend_errors(self, key: str) -> list[str]: ...
 
 
@@ -177,6 +178,7 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel
         # 3. run the code
         dead = False
         if p.code:
+            served = len(tools.served(kernel.id))
             try:
                 cell_timeout = max(0.1, min(cfg.kernel.exec_timeout, deadline - time.monotonic()))
                 res = await kernel.execute(p.code, timeout=cell_timeout)
@@ -184,6 +186,7 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel
                 step.seconds = time.monotonic() - t_step
                 ep.error = f"kernel.execute failed: {type(e).__name__}: {e}"
                 return ENV_ERROR
+            step.served = tools.served(kernel.id)[served:]
             step.exec_ok, dead = bool(res.ok), res.dead
             output = res.text(a.max_observation_chars).strip("\n") or "(no output)"
             if p.error:

@@ -137,6 +137,40 @@ async def test_bm25_read_page_and_edge_cases(world, bm25):
         await bm25.search("city", 0)
 
 
+async def test_the_tool_server_records_what_it_served_to_each_episode(world, bm25):
+    """ToolServer.served: ("web_search", id) per hit, ("read_page", the text's first line: the title, or the not-found
+    line) per read, per episode, in order, capped at max_served; what a call's arguments say is not recorded."""
+    import aiohttp
+
+    from l0_min.sandbox.tools import ToolServer
+
+    server = ToolServer(bm25, top_k=2)
+    server.max_served = 5
+    await server.start()
+    paths = {key: server.open_episode(key) for key in "ab"}
+
+    async def call(key, tool, **args):
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(paths[key])) as session:
+            async with session.post("http://x/call", json={"tool": tool, "args": args}) as r:
+                return (await r.json())["result"]
+
+    try:
+        doc = world.corpus[3]
+        hits = await call("a", "web_search", query=doc["title"])
+        await call("a", "read_page", ref=doc["id"])
+        await call("b", "read_page", ref="atlantis")
+        assert server.served("a") == [("web_search", h["id"]) for h in hits] + [("read_page", doc["title"])]
+        assert len(hits) == 2 and server.served("b") == [("read_page", "No page found for 'atlantis'. Use a document id "
+                                                          "or an exact title from web_search results.")]
+        await call("a", "submit_final_answer", answer=doc["id"])
+        await call("a", "web_search", query=doc["title"])
+        assert len(server.served("a")) == 5  # the cap
+        server.close_episode("a")
+        assert len(server.served("a")) == 5 and server.served("zz") == []  # kept for a while after the episode
+    finally:
+        await server.close()
+
+
 def test_bm25_rejects_bad_documents():
     with pytest.raises(ValueError, match="no documents"):
         BM25Backend([])
