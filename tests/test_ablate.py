@@ -90,13 +90,16 @@ def _run(arm, world, seed, qa, files, exec_rate=0.9, minutes=1.0, ratios=(0.0, 0
             "log_ratio": {"token": ratios[0], "chunk": ratios[1]}}
 
 
-def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_did(tmp_path, capsys):
+def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_did(tmp_path, capsys, monkeypatch):
     """By hand: starts QA 6/64 (world 0) and 10/64 (world 7); reinforce++ ends 12/64 and 14/64 (+0.094, +0.063 a
     world; pooled 26/128 against 16/128: +0.078); its :step arm 20/64 and 22/64 (step_reward_gain: 42/128 - 26/128 =
     +0.125); the overlap arms' chunk minus token (16 vs 14 of 128, mean |log ratio| token 0.02, chunk 0.01) and
     minutes (12 with overlap, 20 without); a run whose cells ran 0.3 against its start's 0.9 collapsed."""
-    from bench.ablate_table import report
+    from bench import ablate_table
     from l0_min.evaluation import two_proportion_z_test
+
+    plots = []  # (matplotlib's import and a figure take a second: the slow test draws one)
+    monkeypatch.setattr(ablate_table, "plot", lambda runs, path, title: plots.append((sorted(runs), path)))
 
     arms = ["reinforce++", "reinforce++:step", "reinforce++:overlap", "reinforce++:chunk:overlap"]
     results = {("sft", 0, 0): _run("sft", 0, 0, [6, 64], [20, 64]), ("sft", 7, 0): _run("sft", 7, 0, [10, 64], [30, 64])}
@@ -108,7 +111,7 @@ def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_
             results[arm, w, 0] = _run(arm, w, 0, q, [25, 64], exec_rate=0.3 if (arm, w) == ("reinforce++:step", 7) else 0.9,
                                       minutes=12 if over else 20, ratios=(0.02, 0.01) if over else (0.0, 0.0),
                                       hops={"hop1": [40, 64], "hop2": [20, 48], "em": [q[0], 64]})
-    report(results, arms, [0, 7], 1, 1, False, 0.10, tmp_path, "made-up")
+    ablate_table.report(results, arms, [0, 7], 1, 1, False, 0.10, tmp_path, "made-up")
     out = capsys.readouterr().out
     assert "  world 0: files 0.31 (64), qa 0.09 (64); 5.00 steps/ep, 25% rebuilt, cells run 0.90 (1 seed(s))" in out
     qa = out.split("qa, sampled, worlds 0,7 pooled (start 0.12, 128 episodes):")[1]
@@ -130,4 +133,4 @@ def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_
     best = two_proportion_z_test(42, 128, 16, 128)
     assert f"RESULT long_qa_rl_gain={best[0]:+.3f} (arm reinforce++:step, qa sampled, 128 held-out episodes, " \
            f"p = {best[2]:.2g}; per world w0 +0.219, w7 +0.188) target >= 0.1 MET" in out
-    assert "RESULT long_files_rl_gain=" in out and (tmp_path / "rewards.png").stat().st_size > 0
+    assert "RESULT long_files_rl_gain=" in out and plots == [(sorted(arms), tmp_path / "rewards.png")]
