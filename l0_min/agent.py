@@ -43,6 +43,7 @@ class Tools(Protocol):
     def allow(self, key: str, tools: tuple[str, ...]) -> None: ...  # the search tools the episode's task gets
     def final_answer(self, key: str) -> str | None: ...
     def tool_calls(self, key: str) -> dict[str, int]: ...
+    def served(self, key: str) -> list[tuple[str, str]]: ...  # (tool, page) pairs, in order
     def backend_errors(self, key: str) -> list[str]: ...
 
 
@@ -152,12 +153,13 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel
             ep.steps.append(step)
             res = None  # 3. run the code
             if p.code:
+                served = len(tools.served(kernel.id))
                 try:  # a cell ends by the episode's deadline
                     res = await kernel.execute(p.code, max(0.1, min(cfg.kernel.exec_timeout, deadline - time.monotonic())))
                 except Exception as e:
                     step.seconds = time.monotonic() - t_step
                     raise _End(ENV_ERROR, f"kernel.execute failed: {type(e).__name__}: {e}") from None
-                step.exec_ok = bool(res.ok)
+                step.served, step.exec_ok = tools.served(kernel.id)[served:], bool(res.ok)
                 output = res.text(a.max_observation_chars).strip("\n") or "(no output)"
                 output += f"\nFormat note: {p.error}." if p.error else ""
             else:

@@ -148,6 +148,7 @@ class RewardConfig:
     min_code_chars: int = 5
     em_weight: float = 0.9  # answer = em_weight * EM + has_answer_weight * 1[non-empty answer] (L0)
     has_answer_weight: float = 0.1
+    step_weight: float = 0.0  # x the environment's step_rewards(ep), one per step (0: off, not called)
 
 
 @dataclass

@@ -49,6 +49,7 @@ class Step:
     reward: float = 0.0  # per-step reward, filled by rewards.score_episode
     seconds: float = 0.0
     prefix: bool = False  # an expert's step the episode was started from (rollout.resample): context, never trained
+    served: list = field(default_factory=list)  # what the host's tools served while its cell ran (ToolServer.served)
 
 
 @dataclass

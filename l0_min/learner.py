@@ -538,7 +538,8 @@ class Learner:
         if a.ratio_level not in ("token", "chunk"):
             raise ValueError(f"algo.ratio_level: expected token or chunk, got {a.ratio_level!r}")
         stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "truncated": 0.0, "masked": 0.0}
-        gap = {k: torch.zeros((), device=self.device) for k in ("tokens", "abs_log_ratio_sum", "abs_log_ratio_max", "k3_sum")}
+        gap = {k: torch.zeros((), device=self.device) for k in ("tokens", "abs_log_ratio_sum", "abs_log_ratio_max", "k3_sum",
+                                                                "chunks", "chunk_abs_log_ratio_sum", "chunk_abs_log_ratio_max")}
         for epoch in range(a.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             for i, b in enumerate(batches):
@@ -588,18 +589,22 @@ class Learner:
             stats["truncated"] += ((w >= a.tis_cap) & on).sum()
         stats["masked"] += ((keep == 0) & on).sum()
         b["mask"] = b["mask"] * w * keep
-        m = losses.mismatch(b["prox"], b["old"], on.float())
+        m = losses.mismatch(b["prox"], b["old"], on.float(), b["chunk"])
         return {k: torch.maximum(gap[k], v) if k.endswith("max") else gap[k] + v for k, v in m.items()}
 
     def _reduce(self, stats: dict, gap: dict, sft: bool) -> dict:
         """The step's numbers over every rank (each holds its share), read back once."""
-        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum")
+        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum",
+                "chunks", "chunk_abs_log_ratio_sum")
         sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))
-        (gap_max,) = all_reduce([gap["abs_log_ratio_max"]], self.device, op=dist.ReduceOp.MAX)
+        gap_max, chunk_max = all_reduce([gap["abs_log_ratio_max"], gap["chunk_abs_log_ratio_max"]], self.device,
+                                        op=dist.ReduceOp.MAX)
         out = {k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")} | {"grad_norm": float(stats["grad_norm"])}
         if not sft:  # sampler vs learner on the action tokens (loss.mismatch), and what the correction did
             n = max(sums["tokens"], 1.0)
             out.update({"mismatch/abs_log_ratio_mean": sums["abs_log_ratio_sum"] / n, "mismatch/abs_log_ratio_max": gap_max,
+                        "mismatch/chunk_abs_log_ratio_mean": sums["chunk_abs_log_ratio_sum"] / max(sums["chunks"], 1.0),
+                        "mismatch/chunk_abs_log_ratio_max": chunk_max,
                         "mismatch/kl_k3": sums["k3_sum"] / n, "tis/truncated_frac": sums["truncated"] / n,
                         "tis/masked_frac": sums["masked"] / n})  # fmt: skip
         return out

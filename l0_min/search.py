@@ -7,6 +7,7 @@ page is a normal answer; a failing backend raises `SearchError`, an environment 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import os
 import re
@@ -99,7 +100,18 @@ class BM25Backend:
     async def read_page(self, ref: str) -> str:
         ref = ref.strip()
         d = self._by_id.get(ref) or self._by_title.get(ref) or self._by_title_folded.get(ref.casefold())
-        return format_page(d) if d else _not_found(ref)
+        near = [] if d else self.closest(ref)
+        return format_page(d) if d else _not_found(ref) + (f" Closest refs: {', '.join(near)}." if near else "")
+
+    def closest(self, ref: str, n: int = 5) -> list[str]:
+        """Up to `n` refs near an unknown one, a wiki's "did you mean": the ids whose id or title (case-folded) starts
+        with it, then contains it, then difflib's close matches. None over 5,000 documents (a scan a miss)."""
+        if len(self.docs) > 5000 or not (key := ref.casefold()):
+            return []
+        keys = {k: d["id"] for d in self.docs for k in (d["id"].casefold(), d["title"].casefold())}
+        near = [i for k, i in keys.items() if k.startswith(key)] + [i for k, i in keys.items() if key in k]
+        near += [keys[k] for k in difflib.get_close_matches(key, list(keys), n, 0.6)]
+        return [i[:100] for i in dict.fromkeys(near)][:n]
 
 
 class _Http:

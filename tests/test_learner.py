@@ -60,6 +60,17 @@ def test_truncated_importance_weights_and_band_give_their_exact_numbers_on_2_ran
 
 
 @pytest.mark.slow
+def test_token_and_chunk_log_ratios_of_stale_samples_are_the_hand_computed_ones_on_2_ranks(report):
+    """The sampler's log-probs moved by +0.3 / -0.1 at even / odd positions: the learner reports |log ratio| per
+    token (mean, max 0.3) and per chunk (|the mean move of an agent step's action|: +0.3 and -0.1 cancel in part, so
+    the chunk mean is smaller), within the learner-vs-sampler gap of the unmoved rows (< 1e-5, above)."""
+    got, want = report["stale"]["got"], report["stale"]["want"]
+    assert want["chunks"] > 5 and want["chunk_abs_log_ratio_mean"] < want["abs_log_ratio_mean"]
+    for k in ("abs_log_ratio_mean", "abs_log_ratio_max", "chunk_abs_log_ratio_mean", "chunk_abs_log_ratio_max"):
+        assert got[k] == pytest.approx(want[k], abs=1e-5), k
+
+
+@pytest.mark.slow
 def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     lora = report["lora"]  # LoRA under FSDP2 on 2 ranks == a plain peft step on one process, exported merged
     assert 0 < lora["trainable"] < lora["all"] / 4

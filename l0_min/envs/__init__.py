@@ -38,6 +38,7 @@ class TaskEnv(Protocol):
     def corpus(self, tasks: list[Task]) -> list[dict]: ...  # documents the search tools serve ({id, title, text})
     def judge_prompt(self, question: str, golds: list[str], prediction: str | None) -> str | None: ...  # evaluate.py --judge-url
     def report(self, summaries: list[dict]) -> str: ...  # evaluate.py: tables of its own (QA: the papers' layout)
+    def step_rewards(self, ep: Episode) -> list[float]: ...  # optional: one per step of ep.steps (rewards.score_episode)
 
 
 REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", "tools", "system_prompt",
@@ -45,7 +46,7 @@ REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", 
 
 
 class TaskEnvBase:
-    """Defaults for a TaskEnv: no tools, no files, no expert, no corpus, no judge; the prompt is the question."""
+    """Defaults for a TaskEnv: no tools, files, expert, corpus, judge or step rewards; the prompt is the question."""
 
     name, metrics, eval_metrics, tools, worked_example = "", ("correct",), (), (), ()
     system_prompt = """\
@@ -84,6 +85,7 @@ then one code cell in <code>...</code>. The cell runs in a persistent kernel and
     def corpus(self, tasks: list[Task]) -> list[dict]: return []  # noqa: E704
     def judge_prompt(self, question: str, golds: list[str], prediction: str | None) -> str | None: return None  # noqa: E704
     def report(self, summaries: list[dict]) -> str: return ""  # noqa: E704
+    def step_rewards(self, ep: Episode) -> list[float]: return [0.0] * len(ep.steps)  # noqa: E704
 
 
 def load_env(spec: str, cfg) -> TaskEnv:
@@ -114,7 +116,7 @@ def load_env(spec: str, cfg) -> TaskEnv:
         raise ValueError(f"env {spec!r}: metrics must name score()'s keys, the headline first; got {env.metrics!r}")
     env.name = getattr(env, "name", "") or spec.rsplit(".", 1)[-1]
     env.eval_metrics = tuple(getattr(env, "eval_metrics", ()) or env.metrics)
-    for hook, default in (("judge_prompt", TaskEnvBase.judge_prompt), ("report", TaskEnvBase.report)):
+    for hook, default in [(h, getattr(TaskEnvBase, h)) for h in ("judge_prompt", "report", "step_rewards")]:
         if not hasattr(env, hook):
             setattr(env, hook, default.__get__(env))
     if bad := set(env.tools) - set(SEARCH_TOOLS):

@@ -48,7 +48,7 @@ from l0_min import data
 from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, token_f1
 from l0_min.config import is_number
 from l0_min.envs import TaskEnvBase, settings
-from l0_min.episode import Episode, Task
+from l0_min.episode import Episode, Step, Task
 
 # ---------------------------------------------------------------------------------------- names
 
@@ -840,6 +840,75 @@ def load_corpus(path: str | Path, passage_words: int = 100) -> list[dict]:
     return docs
 
 
+# ------------------------- step rewards (reward.step_weight): information gain over the gold chain, per-hop metrics
+REDUNDANT = 0.1  # the cost of a step whose tools served nothing new (StepSearch's redundancy penalty)
+
+
+def chain_seen(ep: Episode, snippet_chars: int) -> list[list[float]] | None:
+    """How much of each page of a world task's gold chain (meta["support"], in order) the host's tools had served by
+    the end of each step: 1 once the facts the task needs from it were served (a read_page of it, or a search
+    snippet, its first `snippet_chars` characters, holding its evidence sentences), 0.5 while a search only listed
+    it (its ref: the way to it). Read from what the tool server recorded (Step.served), never from what the agent
+    printed, which could name any page. None for a task without a world chain."""
+    m = ep.task.meta
+    if m.get("source") != "world" or "support" not in m:
+        return None
+    docs, chain = _docs(m["seed"], m["n_entities"]), m["support"]
+    whole = {p: all(t in docs[p]["text"][:snippet_chars] for q, t in m["evidence"] if q == p) for p in chain}
+    by_title, seen, out = {docs[p]["title"]: p for p in chain}, dict.fromkeys(chain, 0.0), []
+    for step in ep.steps:
+        for tool, page in step.served:
+            if tool == "web_search" and page in seen:
+                seen[page] = max(seen[page], 1.0 if whole[page] else 0.5)
+            elif tool == "read_page" and page in by_title:
+                seen[by_title[page]] = 1.0
+        out.append([seen[p] for p in chain])
+    return out
+
+
+def info_gain(ep: Episode, snippet_chars: int, redundant: float = REDUNDANT) -> list[float]:
+    """QA's step rewards, StepSearch's two terms over the gold chain: a step earns the share of the chain it first
+    brought into view (`chain_seen`: 1 / |chain| a page, half of it for a page only listed), paid only where the
+    episode submitted an answer (as StepSearch pays no step score without one: reading and never answering earns
+    nothing); a step whose tools served nothing new (a repeated query, a page read again) costs `redundant`,
+    answered or not. Gains sum to at most 1 an episode. 0 a step for a task without a world chain.
+
+    >>> t = next(t for t in make_world(0, 30).tasks if t.meta["template"] == "older_org")
+    >>> t.meta["support"]
+    ['stotrem-museum-of-art', 'stefu-glassworks']
+    >>> search, read = ("web_search", "stotrem-museum-of-art"), ("read_page", "Stotrem Museum of Art")
+    >>> steps = [Step([], [], [], served=s) for s in ([search], [read], [read], [], [("read_page", "Stefu Glassworks")])]
+    >>> info_gain(Episode(t, steps, final_answer="Stefu Glassworks"), snippet_chars=40)
+    [0.25, 0.25, -0.1, 0.0, 0.5]
+    >>> info_gain(Episode(t, steps, final_answer=None), snippet_chars=40)
+    [0.0, 0.0, -0.1, 0.0, 0.0]
+    """
+    seen = chain_seen(ep, snippet_chars)
+    if seen is None:
+        return [0.0] * len(ep.steps)
+    pay, before, served, out = has_answer(ep.final_answer) / len(ep.task.meta["support"]), [0.0], set(), []
+    for step, now in zip(ep.steps, seen):
+        new = {tuple(x) for x in step.served} - served
+        out.append(round(pay * (sum(now) - sum(before)) - redundant * bool(step.served and not new), 12))
+        served, before = served | new, now
+    return out
+
+
+def hop_metrics(ep: Episode, snippet_chars: int) -> dict[str, float]:
+    """Per-hop success of a world task (none for another): "hop<k>" 1 where the k-th page of the chain had its facts
+    served (`chain_seen`); "ref_missed" 1 where a read_page found no page (a mistyped ref), "ref_recovered" 1
+    where a page was read after that."""
+    if (seen := chain_seen(ep, snippet_chars)) is None:
+        return {}
+    reads = [page for s in ep.steps for tool, page in s.served if tool == "read_page"]
+    docs = _docs(ep.task.meta["seed"], ep.task.meta["n_entities"])
+    titles = {d["title"] for d in docs.values()}
+    miss = next((i for i, page in enumerate(reads) if page not in titles), None)
+    last = seen[-1] if seen else [0.0] * len(ep.task.meta["support"])
+    return {**{f"hop{k}": float(v == 1.0) for k, v in enumerate(last, 1)}, "ref_missed": float(miss is not None),
+            "ref_recovered": float(miss is not None and any(page in titles for page in reads[miss + 1:]))}
+
+
 # ------------------------------------------------------------------------------- the environment
 
 SYSTEM_PROMPT = """\
@@ -899,12 +968,17 @@ class QA(TaskEnvBase):
 
     def score(self, ep: Episode) -> dict[str, float]:
         """L0's answer reward (0.9 * EM + 0.1 * answered; envs.qa.answer_metric "f1" puts F1 in place of EM), with
-        the official EM / F1 of the papers' tables beside the training reward's Unicode-aware ones."""
+        the official EM / F1 of the papers' tables beside the training reward's Unicode-aware ones, and a world task's
+        per-hop metrics (`hop_metrics`)."""
         r, pred, golds = self.cfg.reward, ep.final_answer, ep.task.answers
         em, f1 = exact_match(pred, golds), f1_score(pred, golds)
         core = answer_reward(pred, f1 if self.settings.answer_metric == "f1" else em, r.em_weight, r.has_answer_weight)
         return {"core": core, "em": em, "f1": f1, "has_answer": float(has_answer(pred)),
-                "official_em": official_em(pred, golds), "official_f1": official_f1(pred, golds)}
+                "official_em": official_em(pred, golds), "official_f1": official_f1(pred, golds),
+                **hop_metrics(ep, self.cfg.tools.snippet_chars)}
+
+    def step_rewards(self, ep: Episode) -> list[float]:
+        return info_gain(ep, self.cfg.tools.snippet_chars)
 
     def judge_prompt(self, question: str, golds: list[str], prediction: str | None) -> str:
         return judge_prompt(question, golds, prediction)

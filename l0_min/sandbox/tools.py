@@ -5,6 +5,7 @@
     path = server.open_episode(kernel.id)     # the kernel's sandbox binds this socket (and only it)
     server.allow(kernel.id, ("web_search",))  # the task's search tools (default: all; submit_final_answer always)
     server.final_answer(kernel.id)            # recorded when the call arrived; None if none
+    server.served(kernel.id)                  # what its tools served: (tool, page) pairs, for the env's step rewards
     server.close_episode(kernel.id)
 
 The socket a request arrives on names its episode; printed text is never parsed for answers. Every request and call
@@ -41,6 +42,7 @@ class ToolServer:
     backend_calls = 1  # per episode at the backend at once; its other calls wait in its own line
     max_arg_chars = 2000  # a query, a ref, an answer
     max_request_bytes = 64 << 10  # 3 such arguments, JSON-escaped at up to 6 bytes a character, fit
+    max_served = 1000  # (tool, page) records kept per episode
 
     def __init__(self, backend=None, *, timeout: float = 20.0, snippet_chars: int = 300, page_chars: int = 4000,
                  top_k: int = 3, keep_closed: int = 10000):  # fmt: skip
@@ -53,6 +55,7 @@ class ToolServer:
         self._answers: dict[str, str] = {}
         self._allowed: dict[str, tuple[str, ...]] = {}  # key -> the search tools its task may call
         self._calls: dict[str, Counter] = {}
+        self._served: dict[str, list[tuple[str, str]]] = {}  # key -> (tool, search hit's id | read page's first line)
         self._errors: dict[str, list[str]] = {}  # backend failures (timeouts, exceptions) per episode
         self._closed_keys: OrderedDict[str, None] = OrderedDict()  # closed episodes, oldest first
         self._pending: set[asyncio.Task] = set()
@@ -90,7 +93,7 @@ class ToolServer:
         sock.setblocking(False)
         bucket, line = [self.calls_per_second, time.monotonic()], asyncio.Semaphore(self.backend_calls)
         self._sites[key], self._by_path[path] = (path, sock, set(), bucket, line), key
-        self._calls[key] = Counter()
+        self._calls[key], self._served[key] = Counter(), []
         asyncio.get_running_loop().add_reader(sock, self._accept, key)
         return path
 
@@ -145,7 +148,7 @@ class ToolServer:
         self._closed_keys[key] = None
         while len(self._closed_keys) > self.keep_closed:
             old, _ = self._closed_keys.popitem(last=False)
-            for records in (self._answers, self._calls, self._errors, self._allowed):
+            for records in (self._answers, self._calls, self._errors, self._allowed, self._served):
                 records.pop(old, None)
 
     def allow(self, key: str, tools: tuple[str, ...]) -> None:
@@ -157,6 +160,10 @@ class ToolServer:
 
     def tool_calls(self, key: str) -> dict[str, int]:
         return dict(self._calls.get(key, {}))
+
+    def served(self, key: str) -> list[tuple[str, str]]:
+        """What the episode's tools served, in order: ("web_search", a hit's id), ("read_page", the text's first line)."""
+        return list(self._served.get(key, ()))
 
     def backend_errors(self, key: str) -> list[str]:
         """What went wrong in this episode's backend calls (timeouts, failures; not bad arguments)."""
@@ -190,6 +197,8 @@ class ToolServer:
             if tool == "submit_final_answer":
                 return _reply(True, self._submit(key, args))
             result = await self._in_turn(line, tool, args)
+            pages = [h["id"] for h in result] if tool == "web_search" else [result.split("\n", 1)[0][:200]]
+            self._served[key] += [(tool, p) for p in pages][: self.max_served - len(self._served[key])]
         except ValueError as e:
             return _reply(False, str(e), 400)
         except asyncio.TimeoutError:
