@@ -49,10 +49,6 @@ class Tools(Protocol):
 
 STOP = "</code>"
 
-def task_message(env, task: Task, cfg: Config) -> str:
-    """The environment's prompt for the task, and the step budget."""
-    return f"{env.prompt(task)}\nYou have {cfg.agent.max_steps} steps."
-
 
 # ---------------------------------------------------------------------------- parsing an action
 @dataclass
@@ -113,8 +109,9 @@ async def run_episode(task: Task, env, policy: Policy, kernel: Kernel, tools: To
     ep = Episode(task=task)
     episode_key.set(f"{task.id}#{uuid.uuid4().hex[:12]}")  # its requests go to one server (its prefix cache)
     examples = env.worked_example if cfg.agent.worked_example else ()
-    ctx = ContextWatcher(chat_format(tokenizer), env.system_prompt, task_message(env, task, cfg), cfg.agent,
-                         cfg.sampling.max_new_tokens, examples)
+    task_text = f"{env.prompt(task)}\nYou have {cfg.agent.max_steps} steps."  # the environment's prompt, the budget
+    ctx = ContextWatcher(chat_format(tokenizer), env.system_prompt, task_text, cfg.agent, cfg.sampling.max_new_tokens,
+                         examples)
     try:
         ep.status = await _loop(ep, ctx, policy, kernel, tools, cfg, t0 + cfg.agent.max_wall_seconds)
     finally:
@@ -146,7 +143,7 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel
             t_step = time.monotonic()  # 2. sample an action
             context_ids = list(ctx.ids)
             gen = await _generate(policy, context_ids, sampling_params(cfg, ctx.room()), deadline, out_of_time)
-            text = a.prefill + ctx.decode(gen.output_ids)  # the prefill is context, shown with the action
+            text = a.prefill + ctx.chat.decode(gen.output_ids)  # the prefill is context, shown with the action
             p = parse_action(text, gen.finish_reason, gen.matched_stop)
             step = Step(context_ids, list(gen.output_ids), list(gen.logprobs), text, p.think, p.code,
                         finish_reason=gen.finish_reason, weight_version=gen.weight_version, segment=ctx.segment)
@@ -165,8 +162,7 @@ async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel
             else:
                 output = f"Format error: {p.error}. Write <think>...</think> then <code>...</code>; nothing was run."
             # 4. did it end? else the observation goes back into the context, with a budget note
-            dead = res is not None and res.dead
-            if (answer := tools.final_answer(kernel.id)) is not None or dead:
+            if (answer := tools.final_answer(kernel.id)) is not None or (res is not None and res.dead):
                 ep.final_answer = answer
                 step.observation = f"<output>\n{output}\n</output>" + "\n[final answer recorded]" * (answer is not None)
                 step.seconds = time.monotonic() - t_step

@@ -186,8 +186,7 @@ def find_benchmark_file(name: str, root: str | Path) -> Path:
     if not root.is_dir():
         raise DataError(f"benchmark {name}: {root} is neither a file nor a folder")
     for folder in (root / name, root / "benchmarks" / name, root):
-        files = sorted(p for p in folder.glob("*") if p.is_file() and p.name.lower().endswith(_SUFFIXES)) \
-            if folder.is_dir() else []
+        files = sorted(p for p in folder.glob("*") if p.is_file() and p.name.lower().endswith(_SUFFIXES))
         if len(files) == 1:
             return files[0]
         if len(files) > 1:

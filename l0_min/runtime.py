@@ -39,8 +39,7 @@ def start_embedded_server(cfg: Config, model_path: str | Path, log_dir: str | Pa
     log_path = Path(log_dir) / "server.log" if log_dir else None
     args = ["--dtype", cfg.model.serving_dtype(cuda=False), *cfg.inference.embedded_args]
     if "--threads" not in args:
-        # leave a core to the kernels and the event loop: server threads contending with them for every core
-        # run slower than fewer threads that do not
+        # a core left to the kernels and the event loop: threads contending with them for every core run slower
         args += ["--threads", str(max(1, (os.cpu_count() or 1) - 1))]
     return start_server_process(str(model_path), port=cfg.inference.embedded_port, extra_args=args, log_path=log_path)
 

@@ -590,7 +590,7 @@ class Engine:
         self.prefix_cache.clear()
         return True
 
-    def load_weights(self, folder: str, weight_version: str | None) -> str:
+    def load_weights(self, folder: str, weight_version: str | None) -> None:
         """Copy the weights of an HF folder (safetensors) into the model in place; all tensors are
         checked before any is copied, so a bad folder leaves the model as it was."""
         if self.num_requests():
@@ -610,4 +610,3 @@ class Engine:
         self.prefix_cache.clear()
         if weight_version is not None:
             self.weight_version = weight_version
-        return self.weight_version

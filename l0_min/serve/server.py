@@ -152,12 +152,10 @@ def parse_generate(body, tokenizer, context_length: int = 1 << 30) -> tuple[list
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("Either text or input_ids should be provided (exactly one of them).")
-    if ids == []:
-        raise RequestError("input_ids cannot be empty.")
     if ids is not None:
         if not isinstance(ids, list):
             raise RequestError(f"input_ids: expected a list of token ids, got {type(ids).__name__}", schema=True)
-        single = not isinstance(ids[0], list)
+        single = not ids or not isinstance(ids[0], list)  # [] is one empty prompt: refused below
         prompts = [ids] if single else ids
         for i, p in enumerate(prompts):
             where = "input_ids" if single else f"input_ids[{i}]"
@@ -334,7 +332,7 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
                 engine.validate(seq)
         except RequestError:
             raise
-        except ValueError as e:  # what the engine cannot run: /generate's error body
+        except ValueError as e:  # what the engine cannot run, or the tokenizer cannot encode: /generate's error body
             raise RequestError(str(e)) from None
         if state["closing"]:
             return web.json_response(schema_error_body("server is shutting down", 503), status=503)
@@ -387,10 +385,9 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
                 content = {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
                 return web.json_response(content, status=400)
         state["model_path"] = path
-        message = "Succeeded to update model weights."
-        if version is not None:
-            message += f" Weight version updated to {version}."
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+        note = "" if version is None else f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": "Succeeded to update model weights." + note,
+                                  "num_paused_requests": 0})
 
     app = web.Application(middlewares=[api_key_middleware(api_key), errors], client_max_size=256 * 1024 * 1024)
     app.add_routes([web.post("/generate", generate), web.put("/generate", generate), web.get("/health", health),
@@ -426,14 +423,13 @@ def parse_args(argv=None):
 
 
 async def _serve(args) -> None:
-    from l0_min.models import resolve_model
+    from l0_min.models import load_model, resolve_model  # models imports torch only when it loads one
 
     t0 = time.time()
     path = resolve_model(args.model)  # before the slow imports: a wrong path fails at once
 
     import torch
 
-    from l0_min.models import load_model
     from l0_min.serve.engine import Engine
 
     if args.threads:
@@ -492,15 +488,13 @@ def start_server_process(model: str, port: int = 0, extra_args=(), *, host: str 
         os.close(fd)
     log_path = Path(log_path)
     root = str(Path(__file__).resolve().parents[2])
-    # OpenMP threads that wait sleep instead of spinning: beside kernels and a host loop on few cores, a
-    # spinning thread holds a core the others need
+    # waiting OpenMP threads sleep, not spin: on few cores a spinning one holds a core the kernels and host loop need
     env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "l0_min.serve", "--model", str(model), "--host", host, "--port", str(port),
            "--parent-pid", str(os.getpid()), *map(str, extra_args)]
     with open(log_path, "wb") as logf:
-        # its own session: a Ctrl-C meant for train.py must not kill the server mid-step (it exits with
-        # its parent through --parent-pid)
+        # its own session: train.py's Ctrl-C must not kill it mid-step (it exits with its parent: --parent-pid)
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     proc.log_path = log_path
