@@ -248,7 +248,7 @@ def load(spec: str, benchmarks: dict[str, tuple[str, str]], parser, cfg: DataCon
         return load_file(spec, parser(None, spec), limit, cfg.skip_bad_rows)
     root = cfg.data_dir or os.environ.get("L0_MIN_DATA")
     if spec not in benchmarks and not cfg.data_dir:
-        raise DataError(f"data spec {spec!r} is not 'synthetic[:train|:heldout]', a benchmark name "
+        raise DataError(f"unknown benchmark {spec!r}: expected 'synthetic[:train|:heldout]', a benchmark name "
                         f"({', '.join(benchmarks)}), or an existing file")
     file = find_benchmark_file(spec, root) if root else _from_hub(spec, *benchmarks[spec])
     return load_file(file, parser(spec, file), limit, cfg.skip_bad_rows, benchmark=spec)

@@ -259,7 +259,7 @@ def test_unknown_layouts_and_files(tmp_path):
 
 
 def test_benchmark_names_and_folders(tmp_path, monkeypatch):
-    with pytest.raises(DataError, match=r"'squad' is not 'synthetic\[:train\|:heldout\]', a benchmark name \(simpleqa"):
+    with pytest.raises(DataError, match=r"unknown benchmark 'squad': expected 'synthetic\[:train\|:heldout\]', a benchmark name \(simpleqa"):
         load_benchmark("squad")
     (tmp_path / "bamboogle").mkdir()
     write(tmp_path / "bamboogle" / "test.csv", "Question,Answer\nq,a\n")
@@ -275,7 +275,7 @@ def test_benchmark_names_and_folders(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="nq: no --data, data.data_dir or .L0_MIN_DATA given, and huggingface_hub is not "
                                         "installed to download it. Pass --data FILE"):
         load_benchmark("nq")
-    with pytest.raises(DataError, match="is not 'synthetic"):
+    with pytest.raises(DataError, match="unknown benchmark 'no-such-thing': expected 'synthetic"):
         load_tasks("no-such-thing")
 
 
