@@ -31,15 +31,13 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
-
 from l0_min import config as config_mod
 from l0_min.context import ChatFormat
 from l0_min.answers import has_answer
-from l0_min.data import DataError, Tasks, benchmark_name, load_benchmark
+from l0_min.data import DataError, Tasks
 from l0_min.envs import load_env
 from l0_min.episode import ANSWERED, Episode
-from l0_min.evaluation import (EvalError, ResultsFile, check_run_info, first_line, format_summary, judge_record,
+from l0_min.evaluation import (EvalError, ResultsFile, check_run_info, first_line, format_summary, judge_client,
                                markdown_table, record, summarize)
 from l0_min.log import open_jsonl, write_jsonl
 from l0_min.models import ModelNotFoundError, resolve_model
@@ -48,8 +46,6 @@ from l0_min.rewards import score_episode
 DIRECT_SYSTEM = ("Answer the question. Reply with only the answer (a name, date, number or short phrase), "
                  "with no explanation.")
 DIRECT_MAX_NEW_TOKENS = 32
-JUDGE_SYSTEM = "You grade answers to factual questions. Reply with one letter."
-JUDGE_MAX_NEW_TOKENS = 128
 
 
 def parse_args(argv=None):
@@ -57,8 +53,8 @@ def parse_args(argv=None):
                                  epilog=__doc__.split("\n\n", 1)[1])
     ap.add_argument("--bench", help="simpleqa, hotpotqa, musique, bamboogle, 2wikimultihopqa, nq, triviaqa, gsm8k; with "
                                     "--data any name (it labels the run); with --env a source the environment reads")
-    ap.add_argument("--env", help="the tasks' environment (qa, math, files or a module path); default: the file's "
-                                  "layout says (gsm8k: math; else qa)")
+    ap.add_argument("--env", help="the tasks' environment (qa, math, files or a module path); default: math for "
+                                  "gsm8k, else qa")
     ap.add_argument("--data", help="the benchmark's file (or a folder holding it); default: data.data_dir, "
                                    "$L0_MIN_DATA, else the Hugging Face hub")
     ap.add_argument("--mode", choices=["agent", "direct"], default="agent")
@@ -155,62 +151,6 @@ def judge_settings(args, cfg) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------
-# the judge: grade(record) -> the judge's fields for it (evaluation.judge_record)
-
-
-async def chat_completion(session: aiohttp.ClientSession, url: str, model: str, prompt: str, tries: int = 4) -> str:
-    """One greedy reply of an OpenAI-compatible endpoint (POST {url}/chat/completions); 429, 5xx and
-    connection errors are retried with backoff (1, 2, 4 s)."""
-    body = {"model": model, "temperature": 0, "max_tokens": JUDGE_MAX_NEW_TOKENS,
-            "messages": [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": prompt}]}
-    for attempt in range(tries):
-        try:
-            async with session.post(f"{url}/chat/completions", json=body) as r:
-                status, text = r.status, await r.text()
-            if status == 200:
-                return json.loads(text)["choices"][0]["message"]["content"] or ""
-            error = f"HTTP {status}: {text[:300]}"
-            if status != 429 and status < 500:
-                break
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            error = f"{type(e).__name__}: {e}"
-        except (ValueError, LookupError, TypeError):
-            raise EvalError(f"judge {url}/chat/completions: not a chat completion: {text[:300]}") from None
-        if attempt < tries - 1:
-            await asyncio.sleep(2 ** attempt)
-    raise EvalError(f"judge {url}/chat/completions: {error}")
-
-
-@contextlib.asynccontextmanager
-async def judge_env(args, cfg, policy, env):
-    url, judge = judge_settings(args, cfg)
-    if url.endswith("/v1"):
-        key = os.environ.get(args.judge_api_key_env or "", "")
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=300)) as session:
-            yield lambda rec: judge_record(rec, functools.partial(chat_completion, session, url, judge), judge,
-                                           env.judge_prompt)
-        return
-    from l0_min.inference import InferenceClient
-
-    tokenizer = load_tokenizer(judge)
-    chat = ChatFormat(tokenizer)
-    async with contextlib.AsyncExitStack() as stack:
-        client = policy
-        if url != "self":
-            client = await stack.enter_async_context(InferenceClient([u for u in url.split(",") if u], cfg.inference))
-            if not await client.health():
-                raise EvalError(f"--judge-url {url}: no server answers /health")
-
-        async def generate_text(prompt: str) -> str:
-            gen = await client.generate(chat.prompt_ids(JUDGE_SYSTEM, prompt),
-                                        {"max_new_tokens": JUDGE_MAX_NEW_TOKENS, "temperature": 0.0})
-            return tokenizer.decode(gen.output_ids, skip_special_tokens=True)
-
-        yield lambda rec: judge_record(rec, generate_text, judge, env.judge_prompt)
-
-
-# ---------------------------------------------------------------------------------------------
 # the two modes: coroutines that call finish(record, episode_or_None) as each sample ends
 
 
@@ -262,7 +202,12 @@ async def run(args, cfg, env, all_tasks, todo, unjudged, save, out: Path) -> Non
             policy = svc.policy
         elif todo or args.judge_url == "self":
             policy = await stack.enter_async_context(policy_client(cfg, resolve_model(cfg.model.path), out))
-        grade = await stack.enter_async_context(judge_env(args, cfg, policy, env)) if args.judge_url else None
+        grade = None
+        if args.judge_url:
+            url, judge = judge_settings(args, cfg)
+            tok = load_tokenizer(judge) if not url.endswith("/v1") else None
+            grade = await stack.enter_async_context(judge_client(url, judge, args.judge_api_key_env, tok, policy, cfg,
+                                                                 env.judge_prompt))
         judging = asyncio.Semaphore(cfg.rollout.max_concurrency)
 
         async def finish(rec, ep=None, generated=True):
@@ -322,26 +267,24 @@ def report_notes(metrics: dict, search: str, cfg, mode: str) -> list[str]:
 
 
 def load_tasks_and_env(args, cfg):
-    """The questions (the whole file: its paragraphs make the closed corpus) and their environment: --env reads
-    its own source, else the file's layout names it (gsm8k: math); the environment's judge if one is asked for."""
-    bench = benchmark_name(args.bench, known=not (args.data or args.env))
+    """The questions (the whole file: its paragraphs make the closed corpus) and their environment (--env, else
+    math for gsm8k, else qa), which reads --bench (a name, a file, or a source of its own) from --data (a file, or a
+    folder holding <bench>/<file>); the environment's judge if one is asked for."""
+    if args.data:
+        cfg.data.data_dir = args.data
     try:
-        if args.env and not args.data:  # the environment's own tasks ("synthetic:heldout", a name it knows)
-            env = load_env(args.env, cfg)
-            all_tasks = Tasks(env.tasks(args.bench), source=args.bench)
-        else:
-            all_tasks = load_benchmark(bench, path=args.data, skip_bad_rows=cfg.data.skip_bad_rows,
-                                       data_dir=cfg.data.data_dir or None)  # fmt: skip
-            env = load_env(args.env or all_tasks[0].env, cfg)
+        env = load_env(args.env or ("math" if args.bench.strip().lower() == "gsm8k" else "qa"), cfg)
+        tasks = env.tasks(args.bench)
     except DataError:
         raise
     except ValueError as e:  # an environment that cannot load, a source it cannot read
         raise EvalError(str(e)) from None
+    all_tasks = tasks if isinstance(tasks, Tasks) else Tasks(tasks, source=args.bench)
     for t in all_tasks:
         t.env = env.name
     if args.judge_url and env.judge_prompt("q", ["a"], "a") is None:
         raise EvalError(f"--judge-url: env {env.name!r} has no judge (its judge_prompt() returns None)")
-    return bench, all_tasks, env
+    return args.bench.strip(), all_tasks, env
 
 
 def search_setting(args, cfg, env, bench: str, all_tasks) -> tuple[str, list[str]]:
@@ -407,33 +350,27 @@ def run_missing(args, cfg, env, all_tasks, keys, todo, unjudged, results, out: P
     return len(generated)
 
 
-def write_summary(args, cfg, env, bench, info, records, k, judge, notes, search, wall, resumed, out: Path) -> dict:
-    """summary.json, summary.md and viewer.html, from the file: the same numbers whether or not the run was
-    interrupted; printed too."""
-    metrics = summarize(records, env.eval_metrics, k, judged=bool(judge))
-    notes += report_notes(metrics, search, cfg, args.mode)
-    summary = {"model": label(cfg.model.path), "mode": args.mode, "bench": bench, "env": env.name, "data": info["data"],
-               "metrics": metrics, "search": search, "judge_model": judge, "wall_s": wall, "resumed_samples": resumed,
-               "notes": notes}  # fmt: skip
+def write_summary(summary: dict, env, out: Path) -> dict:
+    """summary.json, summary.md and viewer.html of an evaluation's summary record (model, mode, bench, env, data,
+    metrics, search, judge_model, wall_s, resumed_samples, notes), made from the file: the same numbers whether or not
+    the run was interrupted; printed too."""
     write = functools.partial(Path.write_text, encoding="utf-8", errors="backslashreplace")  # any str: JSON \\u escapes
     write(out / "summary.json", json.dumps(summary, indent=2, ensure_ascii=False) + "\n")
-    per_source = [summary | {"bench": f"{bench}: {src}", "metrics": m, "wall_s": None}
-                  for src, m in metrics.get("sources", {}).items()]
+    per_source = [summary | {"bench": f"{summary['bench']}: {src}", "metrics": m, "wall_s": None}
+                  for src, m in summary["metrics"].get("sources", {}).items()]
     table = markdown_table([summary] + per_source)
     if per_source and (own := env.report([summary])):
         table += f"\n\nper source:\n\n{own}"
-    write(out / "summary.md", table + "\n" + "".join(f"\n- {n}" for n in notes) + "\n")
-    if args.mode == "agent" and (out / "trajectories.jsonl").exists():
+    write(out / "summary.md", table + "\n" + "".join(f"\n- {n}" for n in summary["notes"]) + "\n")
+    if summary["mode"] == "agent" and (out / "trajectories.jsonl").exists():
         try:
             from l0_min.viewer import write_viewer
 
-            write_viewer(out / "trajectories.jsonl", out / "viewer.html", title=f"{bench} {args.mode} {summary['model']}")
+            write_viewer(out / "trajectories.jsonl", out / "viewer.html",
+                         title=f"{summary['bench']} {summary['mode']} {summary['model']}")
         except Exception as e:  # the viewer is a convenience; the results are already safe
             print(f"viewer.html not written: {type(e).__name__}: {e}", file=sys.stderr)
-    print(table)
-    print(format_summary(metrics))
-    for n in notes:
-        print(f"- {n}")
+    print(table, format_summary(summary["metrics"]), *(f"- {n}" for n in summary["notes"]), sep="\n")
     print(f"results: {out / 'results.jsonl'}; summary: {out / 'summary.json'}")
     return summary
 
@@ -488,7 +425,11 @@ def main(argv=None) -> dict | None:
         wall = max((r.get("wall_s", 0.0) for r in results.by_key.values()), default=0.0)
 
     # 5. the summary, from the file
-    return write_summary(args, cfg, env, bench, info, records, k, judge, notes, search, wall, len(keys) - len(todo), out)
+    metrics = summarize(records, env.eval_metrics, k, judged=bool(judge))
+    return write_summary({"model": label(cfg.model.path), "mode": args.mode, "bench": bench, "env": env.name,
+                          "data": info["data"], "metrics": metrics, "search": search, "judge_model": judge, "wall_s": wall,
+                          "resumed_samples": len(keys) - len(todo),
+                          "notes": notes + report_notes(metrics, search, cfg, args.mode)}, env, out)
 
 
 if __name__ == "__main__":

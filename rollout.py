@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from l0_min import config as configlib
-from l0_min.collect import InferenceDown, run_tasks
-from l0_min.envs import ExpertPolicy, load_sources
+from l0_min.collect import ExpertPolicy, InferenceDown, run_tasks
+from l0_min.envs import load_sources
 from l0_min.episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode
 from l0_min.evaluation import format_summary, summarize_episodes
 from l0_min.log import batch_metrics, fail, write_jsonl
@@ -38,7 +38,7 @@ ap.add_argument("--n-samples", type=int, default=1, help="episodes per task")
 ap.add_argument("--model", help="model for the embedded server (default: model.path)")
 ap.add_argument("--inference-url", action="append", default=[], help="SGLang server URL (repeatable)")
 ap.add_argument("--expert", action="store_true", help="the environment's scripted expert writes the actions "
-                "(envs.ExpertPolicy, through the same kernels and tools): SFT episodes, or a ceiling to compare with")
+                "(collect.ExpertPolicy, through the same kernels and tools): SFT episodes, or a ceiling to compare with")
 ap.add_argument("--out", help="output folder (default runs/rollout-<time>)")
 ap.add_argument("overrides", nargs="*", help="section.key=value")
 args = ap.parse_args()

@@ -31,14 +31,12 @@ from l0_min.log import fail
 
 def expert_failure(episodes, envs, asked: int) -> str:
     """Why the SFT cold start has no expert episode, in one line: no task has an expert, or none of the experts'
-    episodes solved its task (the first one's status, answer and gold, or a headline its score() lacks)."""
+    episodes solved its task (the first one's status, answer and gold; a mistake of its score() is its error)."""
     if not episodes:
-        return f"sft.episodes={asked} but no training task has an expert (every env.expert(task) is None): set sft.episodes=0"
+        return (f"sft.episodes={asked} but no training task has an expert: every expert(task) of env "
+                f"{' and env '.join(repr(name) for name in envs)} returned None (set sft.episodes=0)")
     ep = episodes[0]
     env = envs[ep.task.env]
-    if ep.status == "answered" and env.metrics[0] not in ep.rewards:
-        return (f"env {env.name!r}: metrics[0] {env.metrics[0]!r} is not among score()'s keys "
-                f"({', '.join(k for k in ep.rewards if k not in ('format', 'exec', 'total'))})")
     return (f"0 of {len(episodes)} expert episodes solved their task (sft.episodes={asked}); the first, task "
             f"{ep.task.id} of env {env.name!r}: {ep.status}, answer {ep.final_answer!r}, gold {ep.task.answers[:3]}"
             + (f", {ep.error}" if ep.error else ""))
@@ -91,15 +89,16 @@ if rank0:  # each source's tasks in its environment (l0_min/envs: qa, math, file
 
 import torch.distributed as dist  # noqa: E402
 
-from l0_min.collect import Batches, InferenceDown, TaskStream, run_tasks  # noqa: E402
-from l0_min.envs import ExpertPolicy, solved  # noqa: E402
+from l0_min.collect import Batches, ExpertPolicy, InferenceDown, TaskStream, run_tasks  # noqa: E402
+from l0_min.envs import solved  # noqa: E402
 from l0_min.episode import sft_rows, training_rows  # noqa: E402
 from l0_min.evaluation import format_summary, summarize_episodes, two_proportion_z_test  # noqa: E402
 from l0_min.distributed import close_distributed, from_rank0, init_distributed  # noqa: E402
 from l0_min.learner import Learner, NoRoom, shard_rows  # noqa: E402
 from l0_min.log import MetricsLogger, RunDir, batch_metrics, label, log_step, plot_rewards, step_header  # noqa: E402
 from l0_min.models import resolve_model  # noqa: E402
-from l0_min.runtime import PEAK_MB, rollout_env, settle_gc, sync_weights  # noqa: E402
+from l0_min.inference import InferenceError  # noqa: E402
+from l0_min.runtime import PEAK_MB, rollout_env, servers_ready, settle_gc, sync_weights  # noqa: E402
 from l0_min.viewer import write_viewer  # noqa: E402
 
 try:
@@ -111,25 +110,30 @@ except (RuntimeError, ValueError) as e:  # learner.device=cuda without CUDA (dis
 control = dist.new_group(backend="gloo", timeout=datetime.timedelta(hours=6))
 
 
-# rank 0 names the run folder and builds or converts a built-in model; every rank gets both
+# rank 0 names the run folder, builds or converts a built-in model and waits for the inference servers (one on the
+# learner's GPU holds its memory once loaded: the learner's memory check must see it); every rank gets both names
 try:
     model_path = resolve_model(cfg.model.path) if rank0 else None
+    if rank0 and cfg.inference.urls:
+        asyncio.run(servers_ready(cfg))
 except FileNotFoundError as e:
     fail(f"model.path: {e}")
+except (InferenceError, ValueError) as e:
+    fail(f"inference.urls: {e}")
 run_name = Path(args.resume) if args.resume else Path(cfg.run.out_dir) / f"{cfg.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 run_path, model_path = map(Path, from_rank0((str(run_name), str(model_path)), control))
-run = RunDir(run_path)
-checkpoints = sorted(run.checkpoints.glob("step_*"))
+checkpoints = sorted((run_path / "checkpoints").glob("step_*"))
 if args.resume and not checkpoints:
-    fail(f"--resume {run_path}: no checkpoint in {run.checkpoints}")
+    fail(f"--resume {run_path}: no checkpoint in {run_path / 'checkpoints'}")
 
 # ---------------------------------------------------------------------------------------------
-# 2. the learner (all ranks); a resumed run continues from its last checkpoint
+# 2. the learner (all ranks); a resumed run continues from its last checkpoint; the run folder once it fits
 
 try:
     learner = Learner(model_path, cfg.learner, cfg.algo, total_steps=cfg.run.steps, temperature=cfg.sampling.temperature)
 except (ValueError, NoRoom) as e:  # a speed setting that cannot run here; a GPU without room for the learner
     fail(str(e))
+run = RunDir(run_path)
 start_step, position = 0, 0
 if args.resume:
     position = learner.load(checkpoints[-1])["task_position"]
@@ -264,12 +268,17 @@ signal.signal(signal.SIGTERM, on_signal)
 
 # ---------------------------------------------------------------------------------------------
 # 4. the SFT cold start (sft.episodes, sft.steps): expert episodes of training tasks (each environment's expert,
-#    envs.ExpertPolicy) run through the real kernels and tools; the learner takes the log-likelihood of their actions
+#    collect.ExpertPolicy) run through the real kernels and tools; the learner takes the log-likelihood of their actions
 
 step, exit_code, stopped = start_step, 0, False
 if step < sft_steps:
     if rank0:  # each source's first tasks that have an expert (of sft.kinds: meta 'kind'), sft.episodes by sft_weight
-        wanted = lambda t: (not cfg.sft.kinds or t.meta.get("kind") in cfg.sft.kinds) and envs[t.env].expert(t) is not None
+        def wanted(t) -> bool:
+            try:
+                return (not cfg.sft.kinds or t.meta.get("kind") in cfg.sft.kinds) and envs[t.env].expert(t) is not None
+            except Exception as e:  # an environment's bug: one line, not a traceback
+                fail(f"env {t.env!r}: expert() raised {type(e).__name__} on task {t.id!r}: {str(e)[:300]}")
+
         shares = [w if s.sft_weight == -1 else s.sft_weight for s, w in zip(cfg.data.train, weights)]
         shown = [t for ts, w in zip(train_sources, shares)
                  for t in [t for t in ts if wanted(t)][: round(cfg.sft.episodes * w / (sum(shares) or 1))]]
@@ -277,7 +286,7 @@ if step < sft_steps:
         episodes = runner.run(run_tasks(expert, shown))
         demos = [e for e in episodes if solved(e, envs[e.task.env])]
         if not demos:  # SFT was asked for and none of it can happen: say why, rather than end without a step
-            fail(expert_failure(episodes, envs, cfg.sft.episodes))
+            fail(expert_failure(episodes, {t.env: envs[t.env] for t in train_tasks}, cfg.sft.episodes))
         random.Random(cfg.run.seed).shuffle(demos)  # SFT batches mix the sources
         run.write_trajectories(0, demos, prefix="sft")
         print(f"SFT: {len(demos)} expert episodes of {len(shown)} tasks ({', '.join(cfg.sft.kinds) or 'all kinds'}), "

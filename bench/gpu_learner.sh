@@ -7,7 +7,7 @@
 #   PYTHON=.venv/bin/python bash bench/gpu_learner.sh
 #   SMOKE=0 bash bench/gpu_learner.sh            # the bench only
 #   DIAG=1 bash bench/gpu_learner.sh             # where the after rows' time goes (~6 min on an H200): no before
-#     rows (the README has them); the after row at 3B, 1.5B and 0.5B, then each with K/V heads repeated (the
+#     rows (docs/results.md has them); the after row at 3B, 1.5B and 0.5B, then each with K/V heads repeated (the
 #     kernel before issue 35), learner.reshard=false at 0.5B and 3B, one 65,536-token micro-batch at 0.5B (the
 #     per-pass fixed costs), each step profiled (the device's time by kind of kernel, its idle share, the host's
 #     waits, the longest kernels, torch.compile's graph breaks); each row's line as soon as it ends; no gpu_smoke

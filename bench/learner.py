@@ -100,7 +100,7 @@ ap.add_argument("--budget-s", type=float, default=270.0, help="--mfu: start no n
 ap.add_argument("--variant", nargs="+", action="append", default=[], metavar=("NAME", "OVERRIDE"),
                 help="--mfu: one more row, the after row's settings plus overrides (repeatable), e.g. --variant "
                      "gathered learner.reshard=false; NAME@3b,0.5b: at those shapes only")  # fmt: skip
-ap.add_argument("--no-before", action="store_true", help="--mfu: skip the before rows (the README has their numbers)")
+ap.add_argument("--no-before", action="store_true", help="--mfu: skip the before rows (docs/results.md has them)")
 ap.add_argument("--profile", action="store_true", help="--mfu: one more step of each row but before, profiled: "
                 "where the device's time goes, by kind of kernel, and how much of the step it is idle")
 args = ap.parse_args()

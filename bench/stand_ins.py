@@ -21,6 +21,7 @@ class FakeTools:
         self.calls: dict[str, dict[str, int]] = {}
         self.errors: dict[str, list[str]] = {}
         self.allowed: dict[str, tuple] = {}
+        self.pages: dict[str, list[tuple[str, str]]] = {}  # what search tools served (none here: no search)
 
     def allow(self, key, tools):
         self.allowed[key] = tuple(tools)
@@ -33,6 +34,9 @@ class FakeTools:
 
     def backend_errors(self, key):
         return list(self.errors.get(key, []))
+
+    def served(self, key):
+        return list(self.pages.get(key, []))
 
 
 class FakeNotepad:

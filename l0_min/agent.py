@@ -5,7 +5,7 @@
       -> the cell's output -> the context watcher adds "<output>...</output> + budget note"
 
 A Step keeps the context ids sent and the action ids and log-probs returned (text is decoded for parsing and display
-only). The episode ends with a final answer the tool server recorded, or on a budget (README "Inside the loop").
+only). The episode ends with a final answer the tool server recorded, or on a budget (docs/internals.md).
 """
 
 from __future__ import annotations
@@ -43,14 +43,11 @@ class Tools(Protocol):
     def allow(self, key: str, tools: tuple[str, ...]) -> None: ...  # the search tools the episode's task gets
     def final_answer(self, key: str) -> str | None: ...
     def tool_calls(self, key: str) -> dict[str, int]: ...
+    def served(self, key: str) -> list[tuple[str, str]]: ...  # (tool, page) pairs, in order
     def backend_errors(self, key: str) -> list[str]: ...
 
 
 STOP = "</code>"
-
-def task_message(env, task: Task, cfg: Config) -> str:
-    """The environment's prompt for the task, and the step budget."""
-    return f"{env.prompt(task)}\nYou have {cfg.agent.max_steps} steps."
 
 
 # ---------------------------------------------------------------------------- parsing an action
@@ -112,8 +109,9 @@ async def run_episode(task: Task, env, policy: Policy, kernel: Kernel, tools: To
     ep = Episode(task=task)
     episode_key.set(f"{task.id}#{uuid.uuid4().hex[:12]}")  # its requests go to one server (its prefix cache)
     examples = env.worked_example if cfg.agent.worked_example else ()
-    ctx = ContextWatcher(chat_format(tokenizer), env.system_prompt, task_message(env, task, cfg), cfg.agent,
-                         cfg.sampling.max_new_tokens, examples)
+    task_text = f"{env.prompt(task)}\nYou have {cfg.agent.max_steps} steps."  # the environment's prompt, the budget
+    ctx = ContextWatcher(chat_format(tokenizer), env.system_prompt, task_text, cfg.agent, cfg.sampling.max_new_tokens,
+                         examples)
     try:
         ep.status = await _loop(ep, ctx, policy, kernel, tools, cfg, t0 + cfg.agent.max_wall_seconds)
     finally:
@@ -124,86 +122,89 @@ async def run_episode(task: Task, env, policy: Policy, kernel: Kernel, tools: To
     return ep
 
 
+class _End(Exception):
+    """The episode ends before its steps run out: its status and why."""
+
+    def __init__(self, status: str, error: str = ""):
+        super().__init__(error)
+        self.status, self.error = status, error
+
+
 async def _loop(ep: Episode, ctx: ContextWatcher, policy: Policy, kernel: Kernel, tools: Tools, cfg: Config,
                 deadline: float) -> str:
     a = cfg.agent
-    out_of_time = f"the wall-time budget of {a.max_wall_seconds:g} s was spent"
-    for n in range(a.max_steps):
-        if time.monotonic() >= deadline:
-            ep.error = out_of_time
-            return TIMEOUT
-        # 1. make room for the next action (a new segment), or stop
-        if ctx.needs_rebuild():
-            if not a.context_rebuild:
-                ep.error = f"context full: {len(ctx.ids)} of {a.max_context_tokens} tokens used"
-                return MAX_TOKENS
-            try:
-                notepad = await asyncio.wait_for(kernel.read_notepad(), deadline - time.monotonic())
-            except asyncio.TimeoutError:
-                ep.error = out_of_time
-                return TIMEOUT
-            except Exception as e:  # the kernel died (KernelDied.crashed: by the agent's own doing)
-                ep.error = f"reading the notepad failed: {type(e).__name__}: {e}"
-                return KERNEL_CRASHED if getattr(e, "crashed", False) else ENV_ERROR
-            if not ctx.rebuild(notepad):
-                ep.error = (f"the rebuilt context (system, task, notepad of {len(notepad)} chars) leaves less than "
-                            f"{ctx.min_room} of {a.max_context_tokens} tokens for an action")  # fmt: skip
-                return MAX_TOKENS
-
-        # 2. sample an action
-        t_step = time.monotonic()
-        context_ids = list(ctx.ids)
-        try:
-            sampling = sampling_params(cfg, ctx.room())
-            gen = await asyncio.wait_for(policy.generate(context_ids, sampling), deadline - t_step)
-        except asyncio.TimeoutError:
-            ep.error = out_of_time
-            return TIMEOUT
-        except InferenceError as e:
-            ep.error = f"{type(e).__name__}: {e}"
-            return INFERENCE_ERROR
-        if gen.finish_reason == "abort":
-            ep.error = "the inference server aborted the request"
-            return INFERENCE_ERROR
-        if len(gen.logprobs) != len(gen.output_ids) or not gen.output_ids:
-            ep.error = f"bad generation: {len(gen.output_ids)} ids, {len(gen.logprobs)} log-probs"
-            return INFERENCE_ERROR
-        text = a.prefill + ctx.decode(gen.output_ids)  # the prefill is context, shown with the action
-        p = parse_action(text, gen.finish_reason, gen.matched_stop)
-        step = Step(context_ids, list(gen.output_ids), list(gen.logprobs), text, p.think, p.code,
-                    finish_reason=gen.finish_reason, weight_version=gen.weight_version, segment=ctx.segment)
-        ep.steps.append(step)
-
-        # 3. run the code
-        dead = False
-        if p.code:
-            try:
-                cell_timeout = max(0.1, min(cfg.kernel.exec_timeout, deadline - time.monotonic()))
-                res = await kernel.execute(p.code, timeout=cell_timeout)
-            except Exception as e:
+    out_of_time = _End(TIMEOUT, f"the wall-time budget of {a.max_wall_seconds:g} s was spent")
+    try:
+        for n in range(a.max_steps):
+            if time.monotonic() >= deadline:
+                raise out_of_time
+            if ctx.needs_rebuild():  # 1. make room for the next action (a new segment), or stop
+                await _make_room(ctx, kernel, a, deadline, out_of_time)
+            t_step = time.monotonic()  # 2. sample an action
+            context_ids = list(ctx.ids)
+            gen = await _generate(policy, context_ids, sampling_params(cfg, ctx.room()), deadline, out_of_time)
+            text = a.prefill + ctx.chat.decode(gen.output_ids)  # the prefill is context, shown with the action
+            p = parse_action(text, gen.finish_reason, gen.matched_stop)
+            step = Step(context_ids, list(gen.output_ids), list(gen.logprobs), text, p.think, p.code,
+                        finish_reason=gen.finish_reason, weight_version=gen.weight_version, segment=ctx.segment)
+            ep.steps.append(step)
+            res = None  # 3. run the code
+            if p.code:
+                served = len(tools.served(kernel.id))
+                try:  # a cell ends by the episode's deadline
+                    res = await kernel.execute(p.code, max(0.1, min(cfg.kernel.exec_timeout, deadline - time.monotonic())))
+                except Exception as e:
+                    step.seconds = time.monotonic() - t_step
+                    raise _End(ENV_ERROR, f"kernel.execute failed: {type(e).__name__}: {e}") from None
+                step.served, step.exec_ok = tools.served(kernel.id)[served:], bool(res.ok)
+                output = res.text(a.max_observation_chars).strip("\n") or "(no output)"
+                output += f"\nFormat note: {p.error}." if p.error else ""
+            else:
+                output = f"Format error: {p.error}. Write <think>...</think> then <code>...</code>; nothing was run."
+            # 4. did it end? else the observation goes back into the context, with a budget note
+            if (answer := tools.final_answer(kernel.id)) is not None or (res is not None and res.dead):
+                ep.final_answer = answer
+                step.observation = f"<output>\n{output}\n</output>" + "\n[final answer recorded]" * (answer is not None)
                 step.seconds = time.monotonic() - t_step
-                ep.error = f"kernel.execute failed: {type(e).__name__}: {e}"
-                return ENV_ERROR
-            step.exec_ok, dead = bool(res.ok), res.dead
-            output = res.text(a.max_observation_chars).strip("\n") or "(no output)"
-            if p.error:
-                output += f"\nFormat note: {p.error}."
-        else:
-            output = f"Format error: {p.error}. Write <think>...</think> then <code>...</code>; nothing was run."
-
-        # 4. did it end? else the observation goes back into the context, with a budget note
-        if (answer := tools.final_answer(kernel.id)) is not None:
-            ep.final_answer = answer
-            step.observation = f"<output>\n{output}\n</output>\n[final answer recorded]"
-        elif dead:
-            step.observation = f"<output>\n{output}\n</output>"
-            ep.error = "the kernel died: " + output[-300:]
-        else:
+                if answer is not None:
+                    return ANSWERED
+                raise _End(KERNEL_CRASHED if res.crashed else ENV_ERROR, "the kernel died: " + output[-300:])
             step.observation = ctx.add_step(step.action_ids, output, a.max_steps - (n + 1))
-        step.seconds = time.monotonic() - t_step
-        if answer is not None or dead:
-            return ANSWERED if answer is not None else KERNEL_CRASHED if res.crashed else ENV_ERROR
-        if time.monotonic() >= deadline:
-            ep.error = out_of_time
-            return TIMEOUT
+            step.seconds = time.monotonic() - t_step
+            if time.monotonic() >= deadline:
+                raise out_of_time
+    except _End as end:
+        ep.error = end.error
+        return end.status
     return MAX_STEPS
+
+
+async def _make_room(ctx: ContextWatcher, kernel: Kernel, a, deadline: float, out_of_time: _End) -> None:
+    """Rebuild a full context around the notepad (read from the kernel), or end the episode saying why."""
+    if not a.context_rebuild:
+        raise _End(MAX_TOKENS, f"context full: {len(ctx.ids)} of {a.max_context_tokens} tokens used")
+    try:
+        notepad = await asyncio.wait_for(kernel.read_notepad(), deadline - time.monotonic())
+    except asyncio.TimeoutError:
+        raise out_of_time from None
+    except Exception as e:  # the kernel died (KernelDied.crashed: by the agent's own doing)
+        raise _End(KERNEL_CRASHED if getattr(e, "crashed", False) else ENV_ERROR,
+                   f"reading the notepad failed: {type(e).__name__}: {e}") from None
+    if not ctx.rebuild(notepad):
+        raise _End(MAX_TOKENS, f"the rebuilt context (system, task, notepad of {len(notepad)} chars) leaves less than "
+                               f"{ctx.min_room} of {a.max_context_tokens} tokens for an action")
+
+
+async def _generate(policy: Policy, context_ids: list[int], sampling: dict, deadline: float, out_of_time: _End):
+    """The policy's action for the context, or the end of the episode (out of time, the server failed)."""
+    try:
+        gen = await asyncio.wait_for(policy.generate(context_ids, sampling), deadline - time.monotonic())
+    except asyncio.TimeoutError:
+        raise out_of_time from None
+    except InferenceError as e:
+        raise _End(INFERENCE_ERROR, f"{type(e).__name__}: {e}") from None
+    if gen.finish_reason == "abort":
+        raise _End(INFERENCE_ERROR, "the inference server aborted the request")
+    if len(gen.logprobs) != len(gen.output_ids) or not gen.output_ids:
+        raise _End(INFERENCE_ERROR, f"bad generation: {len(gen.output_ids)} ids, {len(gen.logprobs)} log-probs")
+    return gen

@@ -85,12 +85,9 @@ def rloo_advantages(outcomes: list[float], groups: list[int]) -> list[float]:
     """
     out = [0.0] * len(outcomes)
     for idx in _by_group(outcomes, groups).values():
-        n = len(idx)
-        if n < 2:
-            continue
         total = sum(outcomes[i] for i in idx)
-        for i in idx:
-            out[i] = round(outcomes[i] - (total - outcomes[i]) / (n - 1), 12)
+        for i in idx if len(idx) > 1 else ():
+            out[i] = round(outcomes[i] - (total - outcomes[i]) / (len(idx) - 1), 12)
     return out
 
 

@@ -85,11 +85,7 @@ def exact_match(prediction: str | None, golds: str | Iterable[str]) -> float:
     if not has_answer(prediction):
         return 0.0
     p, p_light = normalize_answer(prediction), light_normalize(prediction)
-    for g in golds:
-        g_norm = normalize_answer(g)
-        if (g_norm and p == g_norm) or (not g_norm and p_light == light_normalize(g)):
-            return 1.0
-    return 0.0
+    return float(any(p == g if (g := normalize_answer(gold)) else p_light == light_normalize(gold) for gold in golds))
 
 
 def token_f1(p: str, g: str) -> float:
@@ -190,9 +186,6 @@ def numbers_equal(answer: str | None, gold: str, rel_tol: float = 1e-6) -> bool:
 
 
 def _ends(x: Fraction) -> bool:
-    """Whether x has a finite decimal expansion (its denominator's only prime factors are 2 and 5)."""
-    d = x.denominator
-    for p in (2, 5):
-        while d % p == 0:
-            d //= p
-    return d == 1
+    """Whether x has a finite decimal expansion: its denominator divides a power of 10 (2^a 5^b divides
+    10^max(a, b), and max(a, b) < its bit length)."""
+    return 10 ** x.denominator.bit_length() % x.denominator == 0

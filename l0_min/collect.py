@@ -6,7 +6,7 @@
 
 Each task runs in its environment (`task.env`). Environment failures are retried, then masked; timeouts dropped up
 to a cap, then failures; an unreachable server ends the run (InferenceDown); a score() that raises fails its episode,
-never the run (README "Inside the loop" has the rules).
+never the run (docs/internals.md "Inside the loop" has the rules).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -23,9 +24,9 @@ from typing import Awaitable, Callable, Protocol
 from l0_min import algo
 from l0_min.agent import Kernel, Policy, Tools, run_episode
 from l0_min.config import Config, RolloutConfig
-from l0_min.envs import SEARCH_TOOLS, ExpertPolicy, TaskEnv, setup_cells
+from l0_min.envs import SEARCH_TOOLS, TaskEnv
 from l0_min.episode import ENV_ERROR, INFERENCE_ERROR, TIMEOUT, Episode, Task
-from l0_min.inference import InferenceError
+from l0_min.inference import Generation, InferenceError, episode_key
 from l0_min.rewards import score_episode
 
 log = logging.getLogger(__name__)
@@ -60,14 +61,88 @@ class Services:
             self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
 
 
+SETUP_CHUNK = 200_000  # characters of file text per setup cell: the kernel echoes a cell back in one message, as
+# JSON of its repr (up to 8 bytes a character: "\u2028"), and the host drops a message over 2 MiB (sandbox.kernel)
+
+
+def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: int = SETUP_CHUNK) -> list[str]:
+    """The hidden first cells of an episode: write the task's files under the workspace, `chunk` characters of
+    text a cell at most, then take the host tools this task does not get out of the namespace (the tool server
+    refuses them anyway). A path that is not relative, or a name over 255 bytes, is refused with its reason.
+
+    >>> print("\\n----\\n".join(setup_cells({"a/b.txt": "xyz"}, ("web_search",), chunk=2)))
+    def _l0_write(path, text, mode):
+        import os
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, mode) as f:
+            f.write(text)
+    _l0_write('a/b.txt', 'xy', 'w')
+    ----
+    _l0_write('a/b.txt', 'z', 'a')
+    del _l0_write, web_search
+    """
+    for path in files:
+        if not re.fullmatch(r"[\w.-]+(/[\w.-]+)*", path) or {".", ".."} & set(path.split("/")):
+            raise ValueError(f"setup: workspace file {path!r} is not a relative path of letters, digits, '._-'")
+        if long := [part for part in path.split("/") if len(part.encode()) > 255]:
+            raise ValueError(f"setup: workspace file name {long[0][:40]!r}... is {len(long[0].encode())} bytes (at most 255)")
+    writes = [(f"_l0_write({path!r}, {text[i : i + chunk]!r}, {'a' if i else 'w'!r})", min(chunk, len(text) - i))
+              for path, text in files.items() for i in range(0, max(len(text), 1), chunk)]  # fmt: skip
+    cells, size = [], chunk
+    for line, n in writes:  # as few cells as fit `chunk` characters of text each
+        if size + n > chunk:
+            cells.append([])
+            size = 0
+        cells[-1].append(line)
+        size += n
+    if cells:
+        cells[0].insert(0, 'def _l0_write(path, text, mode):\n    import os\n    os.makedirs(os.path.dirname(path) or ".", '
+                           'exist_ok=True)\n    with open(path, mode) as f:\n        f.write(text)')  # fmt: skip
+    if names := ("_l0_write",) * bool(cells) + drop_tools:
+        cells = cells or [[]]
+        cells[-1].append(f"del {', '.join(names)}")
+    return ["\n".join(c) for c in cells]
+
+
 async def prepare(kernel, env: TaskEnv, task: Task, tools: Tools, timeout: float) -> None:
     """Give a fresh kernel the task's host tools and workspace files; raises if the sandbox cannot be set up."""
     tools.allow(kernel.id, env.tools)
     drop = tuple(t for t in SEARCH_TOOLS if t not in env.tools)
-    for cell in setup_cells(env.files(task), drop):
+    try:
+        cells = setup_cells(env.files(task), drop)
+    except ValueError as e:  # the environment's files(): its mistake, named
+        raise ValueError(f"env {env.name!r}: files() of task {task.id}: {e}") from None
+    for cell in cells:
         res = await kernel.execute(cell, timeout=timeout)
         if not res.ok:  # the error's last lines: the cause, not the echo of a long file
             raise RuntimeError(f"setting up the workspace of task {task.id} failed: {res.text()[-500:]}")
+
+
+class ExpertPolicy:
+    """The environments' experts behind the Policy interface, so expert episodes run through the real agent loop,
+    kernels and tools (log-probs 0). With `then` (a policy), an episode's first `steps` actions are the expert's and
+    the rest `then`'s (chunk-initialization resampling, collect.run_one)."""
+
+    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None,
+                 steps: int = 0):  # fmt: skip
+        self.tasks, self.envs = {t.id: t for t in tasks}, envs
+        self.tokenizer, self.prefill, self.then, self.steps = tokenizer, prefill, then, steps
+        self.calls: dict[str, int] = {}
+
+    async def health(self) -> bool:
+        return True if self.then is None else await self.then.health()
+
+    async def generate(self, input_ids: list[int], sampling: dict):
+        key = episode_key.get()
+        n = self.calls[key] = self.calls.get(key, -1) + 1
+        if self.then is not None and n >= self.steps:
+            return await self.then.generate(input_ids, sampling)
+        task = self.tasks[key.rsplit("#", 1)[0]]
+        actions = self.envs[task.env].expert(task)
+        action = actions[min(n, len(actions) - 1)]
+        action = action[len(self.prefill):] if self.prefill and action.startswith(self.prefill) else action
+        ids = self.tokenizer.encode(action, add_special_tokens=False)  # the context already ends with the prefill
+        return Generation(ids, [0.0] * len(ids), "stop", "</code>")
 
 
 async def _attempt(svc: Services, task: Task, prefix: int = 0) -> tuple[Episode, list[str]]:
@@ -156,17 +231,22 @@ async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, pr
             break
     ep.group, ep.sample = group, sample
     ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # after max_retries: a zero-weight placeholder for stats
-    _score(ep, svc.cfg.reward, svc.envs[task.env])
+    _score(ep, svc)
     return ep
 
 
-def _score(ep: Episode, cfg, env: TaskEnv) -> None:
+def _score(ep: Episode, svc: Services) -> None:
     """score_episode, where what the environment's score() raises ends no run: raised on the agent's answer (not on
-    none), the episode is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error)."""
+    none), the episode is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error).
+    Each cause (environment, exception) is counted (svc.counters: the step's metrics) and printed at its 1st, 10th,
+    100th ... episode."""
+    cfg, env = svc.cfg.reward, svc.envs[ep.task.env]
     try:
         return score_episode(ep, cfg, env)
     except Exception as e:
         ep.error = f"the environment's score() raised {type(e).__name__} on the answer: {str(e)[:300]}"
+        cause = f"score_errors/{env.name}/{type(e).__name__}"
+        n = svc.counters[cause] = svc.counters.get(cause, 0) + 1
     answer, ep.final_answer = ep.final_answer, None
     try:
         score_episode(ep, cfg, env)
@@ -174,7 +254,8 @@ def _score(ep: Episode, cfg, env: TaskEnv) -> None:
         ep.status, ep.masked, ep.error = ENV_ERROR, True, ep.error.replace(" on the answer", "")
         score_episode(ep, cfg, SimpleNamespace(name="", score=lambda ep: {"core": 0.0}))
     ep.final_answer = answer
-    log.warning("episode of task %s: %s", ep.task.id, ep.error)
+    if str(n).rstrip("0") == "1":  # 1, 10, 100, ...
+        log.warning("episode of task %s: %s (%d episode(s) so far of this cause, %s)", ep.task.id, ep.error, n, cause)
 
 
 async def run_tasks(svc: Services, tasks: list[Task], n_samples: int = 1,
@@ -264,6 +345,27 @@ def core_reward(ep: Episode) -> float:
     return float(ep.rewards.get("core", 0.0))
 
 
+async def _group(svc: Services, task: Task, gi: int, rc: RolloutConfig, draw: random.Random) -> list[Episode]:
+    """A group of `rc.n_samples` episodes of one task; with rollout.resample, all from one expert prefix."""
+    expert = svc.envs[task.env].expert(task) if rc.resample and draw.random() < rc.resample else None
+    k = draw.randint(1, len(expert) - 1) if expert and len(expert) > 1 else 0  # one state for the whole group
+    jobs = [asyncio.ensure_future(run_one(svc, task, gi, s, k)) for s in range(rc.n_samples)]
+    try:
+        return list(await asyncio.gather(*jobs))
+    finally:  # one sample raised (InferenceDown) or the group was cancelled: stop its siblings
+        await _cancel(jobs)
+
+
+def _drop_timeouts(eps: list[Episode], stats: dict, max_dropped: int) -> list[Episode]:
+    """Timed-out episodes are dropped while the batch has dropped fewer than `max_dropped`, kept as failures past it."""
+    kept = []
+    for ep in eps:
+        drop = ep.status == TIMEOUT and stats["timeouts_dropped"] < max_dropped
+        stats["timeouts_dropped" if drop else "timeouts_kept"] += ep.status == TIMEOUT
+        kept += [] if drop else [ep]
+    return kept
+
+
 async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool = True) -> Batch:
     """`rc.batch_size` groups of `rc.n_samples` episodes for one training step."""
     t0 = time.perf_counter()
@@ -274,22 +376,13 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
 
     draw = random.Random(f"{getattr(stream, 'seed', 0)}-{stream.position}")  # which groups start from an expert prefix
 
-    async def group(gi: int, task: Task) -> list[Episode]:
-        expert = svc.envs[task.env].expert(task) if rc.resample and draw.random() < rc.resample else None
-        k = draw.randint(1, len(expert) - 1) if expert and len(expert) > 1 else 0  # one state for the whole group
-        jobs = [asyncio.ensure_future(run_one(svc, task, gi, s, k)) for s in range(rc.n_samples)]
-        try:
-            return list(await asyncio.gather(*jobs))
-        finally:  # one sample raised (InferenceDown) or the group was cancelled: stop its siblings
-            await _cancel(jobs)
-
     kept: list[list[Episode]] = []
     dropped: list[list[Episode]] = []  # by dynamic sampling, for topping up
     running: set[asyncio.Task] = set()
     extra_left = rc.max_extra_groups if dynamic_sampling else 0
 
     def launch() -> None:
-        running.add(asyncio.create_task(group(stats["groups_launched"], stream.next())))
+        running.add(asyncio.create_task(_group(svc, stream.next(), stats["groups_launched"], rc, draw)))
         stats["groups_launched"] += 1
 
     for _ in range(rc.batch_size + rc.over_sample_groups):
@@ -302,14 +395,7 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
                 eps = fut.result()  # InferenceDown propagates and ends the run
                 if len(kept) == rc.batch_size:  # finished together with the last group needed
                     continue
-                # timeouts: dropped under the global cap, kept as failures past it
-                for ep in [e for e in eps if e.status == TIMEOUT]:
-                    if stats["timeouts_dropped"] < max_dropped:
-                        stats["timeouts_dropped"] += 1
-                        eps.remove(ep)
-                    else:
-                        stats["timeouts_kept"] += 1
-                if not eps:
+                if not (eps := _drop_timeouts(eps, stats, max_dropped)):
                     launch()
                     continue
                 rewards = [core_reward(e) for e in eps]

@@ -1,6 +1,6 @@
 """Every setting of l0_min, as one tree of dataclasses with defaults in code.
 
-Resolution order: defaults here < `--config file.yaml` < trailing `section.key=value` arguments.
+Resolution order: defaults here < `--config file.yaml` (after its `base:` chain) < trailing `section.key=value` args.
 An unknown key or a value of the wrong type is an error that names the key:
 
     >>> cfg = resolve(["algo.gamma=0.9", "rollout.n_samples=4"])
@@ -148,6 +148,7 @@ class RewardConfig:
     min_code_chars: int = 5
     em_weight: float = 0.9  # answer = em_weight * EM + has_answer_weight * 1[non-empty answer] (L0)
     has_answer_weight: float = 0.1
+    step_weight: float = 0.0  # x the environment's step_rewards(ep), one per step (0: off, not called)
 
 
 @dataclass
@@ -184,7 +185,7 @@ class LearnerConfig:
     reshard: bool = True  # false: FSDP gathers each layer's weights once a step, not per micro-batch (+1 copy held)
     fsdp_unit: int = 1  # decoder layers per FSDP unit: one gather, reduce-scatter and set of hooks for k layers
     mixed_precision: bool | None = None  # bf16 compute, fp32 masters and reduce; None: on with CUDA
-    # the GPU speed paths (learner.py's apply_*; configs/gpu_example.yaml turns them on; README "GPU learner"):
+    # the GPU speed paths (learner.py's apply_*; configs/gpu_example.yaml turns them on; docs/gpu.md "GPU learner"):
     attention: str = "auto"  # auto (one varlen kernel call per micro-batch on CUDA in bf16, else rows) | rows | varlen
     activation_checkpointing: str | bool = "none"  # none | full | selective (true = full, false = none)
     compile: str = "none"  # torch.compile backend for each decoder layer: none | inductor (| aot_eager: tests)
@@ -214,7 +215,7 @@ class RolloutConfig:
 
 @dataclass
 class SFTConfig:
-    """The cold start before RL (train.py): expert episodes (envs.ExpertPolicy, real kernels), the learner."""
+    """The cold start before RL (train.py): expert episodes (collect.ExpertPolicy, real kernels), the learner."""
 
     episodes: int = 0  # expert episodes, of each source's first training tasks of `kinds`, by sft_weight (0: no SFT)
     kinds: list[str] = field(default_factory=list)  # task kinds (meta 'kind') the expert shows (empty: all)
@@ -281,6 +282,11 @@ class Config:
 
 
 # ---------------------------------------------------------------- loading, overriding, checking
+def is_number(v, integer: bool = False) -> bool:
+    """A number a setting, score or JSON field can be (a bool is not one); with `integer`, an int."""
+    return isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
+
+
 def check(value, tp, key: str):
     """`value` as type `tp`, or ConfigError naming `key`. Ints pass for floats, numbers for strings, "a,b"
     (a command-line value) for a list, a mapping or a string (its first field) for a section in a list."""
@@ -298,11 +304,11 @@ def check(value, tp, key: str):
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
         return [check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and tp in (float, str):
+    if is_number(value) and tp in (float, str):
         return tp(value)
     if tp is float and isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
         return float(value)  # YAML 1.1 reads 1e-3 (no dot) as a string
-    if not isinstance(value, tp) or (tp is int and isinstance(value, bool)):
+    if not (is_number(value, integer=True) if tp is int else isinstance(value, tp)):
         raise ConfigError(f"{key}: expected {getattr(tp, '__name__', tp)}, got {value!r} ({type(value).__name__})")
     return value
 
@@ -341,23 +347,33 @@ def parse_override(arg: str) -> dict:
     return out
 
 
+def _apply_file(cfg: Config, path: Path, chain: tuple[Path, ...] = ()) -> None:
+    """`path`'s base chain (its `base:`, a path relative to it, and that file's, ...) root first, then `path`."""
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}" + (f" (the base of {chain[-1]})" if chain else ""))
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    if "base" in data:
+        if not isinstance(base := data.pop("base"), str):
+            raise ConfigError(f"{path}: base: expected a path relative to this file, got {base!r}")
+        if (base := path.parent / base).resolve() in [p.resolve() for p in (*chain, path)]:
+            raise ConfigError(f"config base cycle: {' -> '.join(map(str, (*chain, path, base)))}")
+        _apply_file(cfg, base, (*chain, path))
+    try:
+        _apply(cfg, data)
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+
+
 def resolve(overrides: list[str] = (), config_file: str | Path | None = None, base: Config | None = None) -> Config:
-    """Defaults (or `base`) < config file < overrides."""
+    """Defaults (or `base`) < config file (after its base chain) < overrides."""
     cfg = base or Config()
     if config_file:
-        path = Path(config_file)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: top level must be a mapping of sections")
-        try:
-            _apply(cfg, data)
-        except ConfigError as e:
-            raise ConfigError(f"{path}: {e}") from None
+        _apply_file(cfg, Path(config_file))
     for arg in overrides:
         _apply(cfg, parse_override(arg))
     return cfg

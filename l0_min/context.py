@@ -4,14 +4,13 @@
 
 Actions are appended as the exact ids the sampler returned; only observation text is ever tokenized. When the next
 action would not fit, the context is rebuilt (a new segment): the prompt with an "N earlier steps were dropped" note
-and the notepad's text, then the most recent steps verbatim, as many as fit (README "Inside the loop").
+and the notepad's text, then the most recent steps verbatim, as many as fit (docs/internals.md).
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from dataclasses import dataclass
 
 from l0_min.config import AgentConfig
 
@@ -59,8 +58,7 @@ class ChatFormat:
             text = ""
         if text.count(act) != 1 or text.count(obs) != 1 or text.index(act) > text.index(obs):
             return CHATML_BEFORE, CHATML_AFTER
-        before, after = text[text.index(act) + len(act) :].split(obs)
-        return before, after
+        return tuple(text[text.index(act) + len(act) :].split(obs))  # (before, after): the marker is there once
 
     def encode(self, text: str) -> list[int]:
         text = valid_text(text)
@@ -126,12 +124,6 @@ def budget_note(steps_left: int, tokens_left: int, low_tokens: int) -> str:
     return note + "]"
 
 
-@dataclass
-class _Turn:
-    action_ids: list[int]
-    obs_ids: list[int]
-
-
 class ContextWatcher:
     """Owns one episode's context ids; see the module docstring.
 
@@ -150,16 +142,12 @@ class ContextWatcher:
         self.max_tokens = cfg.max_context_tokens
         self.min_room = max(1, min(cfg.min_action_tokens, max_new_tokens))
         self.keep_recent, self.fill = cfg.keep_recent_steps, cfg.rebuild_fill
-        self.turns: list[_Turn] = []  # every appended step of the episode, also the dropped ones
+        self.turns: list[list[int]] = []  # each step's action + observation ids, also the dropped steps'
         self.segment = self.truncations = self.dropped = 0  # dropped: steps not in the current context
         self.ids: list[int] = self._head(task_text)
 
     def _head(self, user_text: str) -> list[int]:
         return self.chat.prompt_ids(self.system, user_text, self.examples) + self.prefill_ids
-
-    def observation_ids(self, text: str, action_ids: list[int]) -> list[int]:
-        """The observation turn's ids, ending with the next assistant turn's prefill (if any)."""
-        return self.chat.observation_ids(text, action_ids) + self.prefill_ids
 
     def room(self) -> int:
         """Tokens left in the window for the next action."""
@@ -170,11 +158,8 @@ class ContextWatcher:
 
     def append(self, action_ids: list[int], obs_ids: list[int]) -> None:
         """The context grows by exactly the sampled action ids and the observation's ids."""
-        self.turns.append(_Turn(list(action_ids), list(obs_ids)))
-        self.ids = self.ids + list(action_ids) + list(obs_ids)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.chat.decode(ids)
+        self.turns.append(list(action_ids) + list(obs_ids))
+        self.ids = self.ids + self.turns[-1]
 
     def add_step(self, action_ids: list[int], output: str, steps_left: int) -> str:
         """The observation text "<output>...</output>" plus a budget note (the tokens left after the whole
@@ -185,7 +170,7 @@ class ContextWatcher:
         left = self.max_tokens - before - len(head)  # a guess: about one token per character or fewer
         for _ in range(4):
             text = head + budget_note(steps_left, left, 2 * self.min_room)
-            ids = self.observation_ids(text, action_ids)
+            ids = self.chat.observation_ids(text, action_ids) + self.prefill_ids  # then the next turn's prefill
             if self.max_tokens - before - len(ids) == left:
                 break
             left = self.max_tokens - before - len(ids)
@@ -207,15 +192,14 @@ class ContextWatcher:
         n, limit = len(self.turns), self.max_tokens - self.min_room
         k, used = 0, len(self._head(self.rebuild_user_text(notepad, n)))  # choose k recent steps, newest first
         for turn in reversed(self.turns):
-            need = len(turn.action_ids) + len(turn.obs_ids)
-            if used + need > limit or (k >= self.keep_recent and used + need > self.fill * self.max_tokens):
+            if used + len(turn) > limit or (k >= self.keep_recent and used + len(turn) > self.fill * self.max_tokens):
                 break
-            k, used = k + 1, used + need
+            k, used = k + 1, used + len(turn)
         # the note's numbers change with k: shrink k until the exact rebuilt context fits
         while True:
             ids = self._head(self.rebuild_user_text(notepad, n - k))
             for turn in self.turns[n - k :]:
-                ids += turn.action_ids + turn.obs_ids
+                ids += turn
             if len(ids) <= limit:
                 break
             if k == 0:

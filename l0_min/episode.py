@@ -32,11 +32,6 @@ INFERENCE_ERROR = "inference_error"
 STATUSES = (ANSWERED, MAX_STEPS, MAX_TOKENS, TIMEOUT, ENV_ERROR, KERNEL_CRASHED, INFERENCE_ERROR)
 
 
-def is_number(v) -> bool:
-    """A number a score or metric can be (a bool is not one)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 @dataclass
 class Step:
     context_ids: list[int]  # exactly what was sent to the server
@@ -54,6 +49,7 @@ class Step:
     reward: float = 0.0  # per-step reward, filled by rewards.score_episode
     seconds: float = 0.0
     prefix: bool = False  # an expert's step the episode was started from (rollout.resample): context, never trained
+    served: list = field(default_factory=list)  # what the host's tools served while its cell ran (ToolServer.served)
 
 
 @dataclass

@@ -10,18 +10,24 @@ trajectories.jsonl (agent mode), summary.json, summary.md, config.yaml, server.l
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
+import functools
 import json
 import math
+import os
 import re
 from collections import Counter
 from pathlib import Path
 from typing import Awaitable, Callable
 
+import aiohttp
+
 from l0_min.answers import has_answer
 from l0_min.envs import solved
-from l0_min.episode import ENV_ERROR, Episode, is_number
+from l0_min.config import is_number
+from l0_min.episode import ENV_ERROR, Episode
 from l0_min.log import label, open_jsonl, read_jsonl, write_jsonl
 
 
@@ -87,6 +93,10 @@ def parse_grade(reply: str) -> str:
     raise JudgeParseError(f"no grade (A/B/C) in judge reply: {reply[:300]!r}")
 
 
+JUDGE_SYSTEM = "You grade answers to factual questions. Reply with one letter."
+JUDGE_MAX_NEW_TOKENS = 128
+
+
 async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]], judge: str,
                        prompt: Callable[[str, list, str], str], retries: int = 1) -> dict:
     """Grade a record's prediction with an LLM: {"grade", "judge": `judge` (kept so that another judge grades
@@ -102,6 +112,58 @@ async def judge_record(rec: dict, generate_text: Callable[[str], Awaitable[str]]
             except JudgeParseError as e:
                 fields |= {"grade": UNPARSED, "judge_error": str(e)}
     return fields
+
+
+async def chat_completion(session: aiohttp.ClientSession, url: str, model: str, prompt: str, tries: int = 4) -> str:
+    """One greedy reply of an OpenAI-compatible endpoint (POST {url}/chat/completions); 429, 5xx and
+    connection errors are retried with backoff (1, 2, 4 s)."""
+    body = {"model": model, "temperature": 0, "max_tokens": JUDGE_MAX_NEW_TOKENS,
+            "messages": [{"role": "system", "content": JUDGE_SYSTEM}, {"role": "user", "content": prompt}]}
+    for attempt in range(tries):
+        try:
+            async with session.post(f"{url}/chat/completions", json=body) as r:
+                status, text = r.status, await r.text()
+            if status == 200:
+                return json.loads(text)["choices"][0]["message"]["content"] or ""
+            error = f"HTTP {status}: {text[:300]}"
+            if status != 429 and status < 500:
+                break
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            error = f"{type(e).__name__}: {e}"
+        except (ValueError, LookupError, TypeError):
+            raise EvalError(f"judge {url}/chat/completions: not a chat completion: {text[:300]}") from None
+        if attempt < tries - 1:
+            await asyncio.sleep(2 ** attempt)
+    raise EvalError(f"judge {url}/chat/completions: {error}")
+
+
+@contextlib.asynccontextmanager
+async def judge_client(url: str, judge: str, key_env: str | None, tokenizer, policy, cfg, prompt):
+    """grade(record) -> the judge's fields (judge_record): `judge` behind an OpenAI-compatible `url` (.../v1; the API
+    key in $`key_env`), an SGLang server, or `policy` itself (url "self"), prompted with its chat template."""
+    if url.endswith("/v1"):
+        key = os.environ.get(key_env or "", "")
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        async with aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=300)) as session:
+            yield lambda rec: judge_record(rec, functools.partial(chat_completion, session, url, judge), judge, prompt)
+        return
+    from l0_min.context import ChatFormat
+    from l0_min.inference import InferenceClient
+
+    chat = ChatFormat(tokenizer)
+    async with contextlib.AsyncExitStack() as stack:
+        client = policy
+        if url != "self":
+            client = await stack.enter_async_context(InferenceClient([u for u in url.split(",") if u], cfg.inference))
+            if not await client.health():
+                raise EvalError(f"judge {url}: no server answers /health")
+
+        async def generate_text(prompt: str) -> str:
+            gen = await client.generate(chat.prompt_ids(JUDGE_SYSTEM, prompt),
+                                        {"max_new_tokens": JUDGE_MAX_NEW_TOKENS, "temperature": 0.0})
+            return tokenizer.decode(gen.output_ids, skip_special_tokens=True)
+
+        yield lambda rec: judge_record(rec, generate_text, judge, prompt)
 
 
 # ---------------------------------------------------------------------------- the results file
@@ -306,6 +368,8 @@ def format_summary(m: dict) -> str:
         parts.append(f"judge accuracy {_pct(m['judge']['accuracy'])}")
         if m["judge"].get("unparsed_samples"):
             parts.append(f"{m['judge']['unparsed_samples']} judge replies unparsed")
+    if masked := m.get("status", {}).get(ENV_ERROR):
+        parts.append(f"{masked} masked as environment errors (scored 0)")
     return " | ".join(parts + [f"{m['n']} episodes" if m.get("unit") == "episodes" else f"{m['n']} questions x {m['k']} samples"])
 
 

@@ -136,7 +136,7 @@ def _servers(urls, field: str) -> list[_Server]:
     return [_Server(u.rstrip("/")) for u in urls]
 
 
-class InferenceClient:
+class InferenceClient(contextlib.AbstractAsyncContextManager):
     def __init__(self, urls: list[str], cfg: InferenceConfig | None = None, max_connections: int = 256):
         if not urls:
             raise ValueError("inference.urls: at least one server URL is needed")
@@ -260,9 +260,6 @@ class InferenceClient:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-    async def __aenter__(self) -> "InferenceClient":
-        return self
 
     async def __aexit__(self, *exc) -> None:
         await self.close()

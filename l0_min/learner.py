@@ -11,6 +11,7 @@ head in chunks of action positions (`LogProbHead`): no [tokens, vocab] fp32 tens
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -41,7 +42,7 @@ from l0_min.episode import Row
 def memory_estimate(config, n_params: int, n_train: int, cfg: LearnerConfig, world: int, mixed: bool, ref: bool) -> dict:
     """GiB per rank at its peak, by part: fp32 masters, gradients, AdamW's moments, the KL reference (sharded); the
     gathered copies (root and two units in flight); a micro-batch's activations (what checkpointing keeps, then the
-    larger of a layer's backward and the head's chunk). Within -0.02..+0.65 GiB of 10 measured peaks (README)."""
+    larger of a layer's backward and the head's chunk). Within -0.02..+0.65 GiB of 10 measured peaks (docs/gpu.md)."""
     h, i, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     a, t, v, kv = 2 if mixed else 4, cfg.micro_batch_tokens, config.vocab_size, config.num_key_value_heads
     kv *= getattr(config, "head_dim", None) or h // config.num_attention_heads
@@ -60,15 +61,35 @@ class NoRoom(RuntimeError):
     """The learner cannot fit on its GPU (check_memory's line)."""
 
 
-def check_memory(parts: dict, device: torch.device, tokens: int) -> None:
-    """Say what the learner needs against what is free on its GPU; stop with one line where it cannot fit."""
-    free, total = (x / 2**30 for x in torch.cuda.mem_get_info(device))
+def free_memory(device: torch.device) -> tuple[float, float] | None:
+    """(free, total) GiB on the learner's GPU; None on the CPU, where no budget is checked."""
+    return tuple(x / 2**30 for x in torch.cuda.mem_get_info(device)) if device.type == "cuda" else None
+
+
+def check_memory(config, n_params: int, n_train: int, cfg: LearnerConfig, world: int, mixed: bool, ref: bool,
+                 room: tuple[float, float], gpu: int | None = None) -> None:
+    """Say what the learner needs (memory_estimate) against what is free on its GPU; where it cannot fit, stop with
+    one line naming what would fit (no KL reference, LoRA, full checkpointing, more ranks), each with its estimate."""
+    (free, total), parts = room, memory_estimate(config, n_params, n_train, cfg, world, mixed, ref)
     need = sum(parts.values())
-    line = (f"~{need:.1f} GiB on GPU {device.index} (" + ", ".join(f"{k} {x:.1f}" for k, x in parts.items() if x)
-            + f", per micro-batch of {tokens} tokens) of {free:.1f} free of {total:.1f}")  # fmt: skip
+    line = (f"~{need:.1f} GiB on GPU {gpu} (" + ", ".join(f"{k} {x:.1f}" for k, x in parts.items() if x)
+            + f", per micro-batch of {cfg.micro_batch_tokens} tokens) of {free:.1f} free of {total:.1f}")  # fmt: skip
     if need > free:
-        raise NoRoom(f"the learner needs {line}: {total - free:.1f} GiB are in use (an inference server?); give it "
-                           "its own GPUs (CUDA_VISIBLE_DEVICES), more ranks, or lower learner.micro_batch_tokens")
+        kv = config.num_key_value_heads * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+        lora = 16 * config.num_hidden_layers * (9 * config.hidden_size + 2 * kv + 3 * config.intermediate_size)
+        need_of = lambda nt, c, w, r: sum(memory_estimate(config, n_params, nt, c, w, mixed, r).values())  # noqa: E731
+        options = {"algo.kl_coef=0": (n_train, cfg, world, False)} if ref else {}
+        options |= {"learner.lora_rank=16": (lora, cfg, world, ref)} if not cfg.lora_rank else {}
+        if cfg.activation_checkpointing not in ("full", True):
+            options["learner.activation_checkpointing=full"] = (n_train, dataclasses.replace(cfg, activation_checkpointing="full"),
+                                                                world, ref)  # fmt: skip
+        w = next((w for w in (2 * world, 4 * world, 8 * world) if need_of(n_train, cfg, w, ref) <= free), 8 * world)
+        options[f"{w} ranks"] = (n_train, cfg, w, ref)  # the fewest that fit
+        est = {k: need_of(*o) for k, o in options.items()}
+        fits = [k for k, x in est.items() if x <= free]
+        shown = ", ".join(f"{k} (~{est[k]:.1f} GiB)" for k in (fits or est))
+        raise NoRoom(f"the learner needs {line}: {total - free:.1f} GiB are in use (an inference server?); "
+                     + (f"it would fit with {shown}" if fits else f"none of {shown} fits: a smaller model"))
     if dist.get_rank() == 0:
         print(f"learner: memory {line}", file=sys.stderr, flush=True)
 
@@ -474,9 +495,8 @@ class Learner:
         dist.broadcast_object_list(shared, src=0)
         buffers, n_params, n_train = shared[0]
         config = AutoConfig.from_pretrained(self.model_path)
-        if cuda:  # what it needs against what is free, before any of it is allocated
-            parts = memory_estimate(config, n_params, n_train, cfg, self.world, mixed, algo_cfg.kl_coef > 0)
-            check_memory(parts, self.device, cfg.micro_batch_tokens)
+        if (room := free_memory(self.device)) is not None:  # what it needs against what is free, before it allocates
+            check_memory(config, n_params, n_train, cfg, self.world, mixed, algo_cfg.kl_coef > 0, room, self.device.index)
         args = (config, _attention(cfg.attention, self.device, torch.bfloat16 if mixed else torch.float32),
                 cfg, mixed, self.device, full_sd, buffers)
         self.model = _build(*args, train=True)
@@ -518,7 +538,8 @@ class Learner:
         if a.ratio_level not in ("token", "chunk"):
             raise ValueError(f"algo.ratio_level: expected token or chunk, got {a.ratio_level!r}")
         stats = {"loss": 0.0, "pg_loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "truncated": 0.0, "masked": 0.0}
-        gap = {k: torch.zeros((), device=self.device) for k in ("tokens", "abs_log_ratio_sum", "abs_log_ratio_max", "k3_sum")}
+        gap = {k: torch.zeros((), device=self.device) for k in ("tokens", "abs_log_ratio_sum", "abs_log_ratio_max", "k3_sum",
+                                                                "chunks", "chunk_abs_log_ratio_sum", "chunk_abs_log_ratio_max")}
         for epoch in range(a.ppo_epochs):
             self.opt.zero_grad(set_to_none=True)
             for i, b in enumerate(batches):
@@ -568,18 +589,22 @@ class Learner:
             stats["truncated"] += ((w >= a.tis_cap) & on).sum()
         stats["masked"] += ((keep == 0) & on).sum()
         b["mask"] = b["mask"] * w * keep
-        m = losses.mismatch(b["prox"], b["old"], on.float())
+        m = losses.mismatch(b["prox"], b["old"], on.float(), b["chunk"])
         return {k: torch.maximum(gap[k], v) if k.endswith("max") else gap[k] + v for k, v in m.items()}
 
     def _reduce(self, stats: dict, gap: dict, sft: bool) -> dict:
         """The step's numbers over every rank (each holds its share), read back once."""
-        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum")
+        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum",
+                "chunks", "chunk_abs_log_ratio_sum")
         sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))
-        (gap_max,) = all_reduce([gap["abs_log_ratio_max"]], self.device, op=dist.ReduceOp.MAX)
+        gap_max, chunk_max = all_reduce([gap["abs_log_ratio_max"], gap["chunk_abs_log_ratio_max"]], self.device,
+                                        op=dist.ReduceOp.MAX)
         out = {k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")} | {"grad_norm": float(stats["grad_norm"])}
         if not sft:  # sampler vs learner on the action tokens (loss.mismatch), and what the correction did
             n = max(sums["tokens"], 1.0)
             out.update({"mismatch/abs_log_ratio_mean": sums["abs_log_ratio_sum"] / n, "mismatch/abs_log_ratio_max": gap_max,
+                        "mismatch/chunk_abs_log_ratio_mean": sums["chunk_abs_log_ratio_sum"] / max(sums["chunks"], 1.0),
+                        "mismatch/chunk_abs_log_ratio_max": chunk_max,
                         "mismatch/kl_k3": sums["k3_sum"] / n, "tis/truncated_frac": sums["truncated"] / n,
                         "tis/masked_frac": sums["masked"] / n})  # fmt: skip
         return out

@@ -9,6 +9,7 @@ A run folder (`RunDir`) holds config.yaml, metrics.jsonl (one JSON object per st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -19,7 +20,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from l0_min.envs import solved
-from l0_min.episode import ANSWERED, STATUSES, Episode, is_number
+from l0_min.config import is_number
+from l0_min.episode import ANSWERED, STATUSES, Episode
 from l0_min.viewer import write_viewer
 
 
@@ -53,9 +55,6 @@ class RunDir:
             for ep in episodes:
                 write_jsonl(f, ep.to_json())
         return path
-
-    def __repr__(self) -> str:
-        return f"RunDir({str(self.path)!r})"
 
 
 def write_jsonl(f, record: dict) -> None:
@@ -134,9 +133,7 @@ def batch_metrics(episodes: list[Episode], envs: dict | None = None) -> dict:
     tokens = [ep.n_action_tokens for ep in episodes]
     m["steps_per_ep/mean"], m["steps_per_ep/max"] = sum(steps) / n, max(steps)
     m["tokens_per_ep/mean"], m["tokens_per_ep/max"] = sum(tokens) / n, max(tokens)
-    tools = Counter()
-    for ep in episodes:
-        tools.update(ep.tool_calls)
+    tools = sum((Counter(ep.tool_calls) for ep in episodes), Counter())
     m.update({f"tools/{tool}": tools[tool] for tool in sorted(tools)})
     ran = [s.exec_ok for ep in episodes for s in ep.steps if s.exec_ok is not None]
     m["exec_steps"], m["exec_error_rate"] = len(ran), (sum(ok is False for ok in ran) / len(ran)) if ran else None
@@ -190,7 +187,7 @@ def _jsonable(v):
     return str(v)
 
 
-class MetricsLogger:
+class MetricsLogger(contextlib.AbstractContextManager):
     """Append one JSON line per step to metrics.jsonl (the source of truth), and mirror the numbers to TensorBoard
     and Weights & Biases where asked for; a sink that cannot start prints one warning line and is skipped."""
 
@@ -244,9 +241,6 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
-
-    def __enter__(self) -> "MetricsLogger":
-        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

@@ -37,15 +37,14 @@ def chunks(mask: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_mean(x: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
-    """Each token's chunk's mean of `x` (0 off the chunks); differentiable in `x`.
+    """Each token's chunk's mean of `x` (0 off the chunks); differentiable in `x`; nothing read back from the device.
 
     >>> chunk_mean(torch.tensor([5.0, 1, 3, 9, 2]), torch.tensor([-1, 0, 0, -1, 1])).tolist()
     [0.0, 2.0, 2.0, 0.0, 2.0]
     """
     on, idx = chunk >= 0, chunk.clamp(min=0)
-    n = int(chunk.max()) + 1 if chunk.numel() else 0
-    sums = x.new_zeros(n).index_add(0, idx[on], x[on])
-    counts = x.new_zeros(n).index_add(0, idx[on], torch.ones_like(x[on]))
+    sums = x.new_zeros(len(x)).index_add(0, idx[on], x[on])
+    counts = x.new_zeros(len(x)).index_add(0, idx[on], torch.ones_like(x[on]))
     return torch.where(on, (sums / counts.clamp(min=1))[idx], 0.0)
 
 
@@ -105,15 +104,27 @@ def behaviour_weights(prox_logp: torch.Tensor, behav_logp: torch.Tensor, cap: fl
     return weight, keep
 
 
-def mismatch(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+def mismatch(prox_logp: torch.Tensor, behav_logp: torch.Tensor, mask: torch.Tensor,
+             chunk: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """How far the sampler's log-probs are from the learner's on the action tokens: sums (0-dim tensors, so ranks
-    can add them) of |log ratio| and of k3 = exp(d) - 1 - d (d = prox - behav, an estimate of KL(sampler || learner)).
+    can add them) of |log ratio| and of k3 = exp(d) - 1 - d (d = prox - behav, an estimate of KL(sampler || learner)),
+    and with `chunk` (`chunks(mask)`) the same per agent step: |its mean log ratio| (chunk-level IS's log ratio).
+    Below, d = [0, 1, -0.8]: chunk 0 (tokens 0-1) has mean 0.5, chunk 1 -0.8.
 
-    >>> m = mismatch(torch.tensor([-1.0, -1.0, -1.0, 0.0]), torch.tensor([-1.0, -2.0, -0.2, 5.0]), torch.tensor([1.0, 1, 1, 0]))
-    >>> {k: round(float(v), 6) for k, v in m.items()}
-    {'tokens': 3.0, 'abs_log_ratio_sum': 1.8, 'abs_log_ratio_max': 1.0, 'k3_sum': 0.967611}
+    >>> m = mismatch(torch.tensor([-1.0, -1.0, -1.0, 0.0]), torch.tensor([-1.0, -2.0, -0.2, 5.0]), torch.tensor([1.0, 1, 1, 0]),
+    ...              torch.tensor([0, 0, 1, -1]))
+    >>> {k: round(float(v), 6) for k, v in m.items()}  # doctest: +NORMALIZE_WHITESPACE
+    {'tokens': 3.0, 'abs_log_ratio_sum': 1.8, 'abs_log_ratio_max': 1.0, 'k3_sum': 0.967611, 'chunks': 2.0,
+     'chunk_abs_log_ratio_sum': 1.3, 'chunk_abs_log_ratio_max': 0.8}
     """
     on = mask > 0
     d = torch.where(on, prox_logp - behav_logp, 0.0)
-    return {"tokens": on.sum().to(d.dtype), "abs_log_ratio_sum": d.abs().sum(),
-            "abs_log_ratio_max": d.abs().amax() if d.numel() else d.new_zeros(()), "k3_sum": (torch.exp(d) - 1 - d).sum()}
+    zero = d.new_zeros(())
+    out = {"tokens": on.sum().to(d.dtype), "abs_log_ratio_sum": d.abs().sum(),
+           "abs_log_ratio_max": d.abs().amax() if d.numel() else zero, "k3_sum": (torch.exp(d) - 1 - d).sum()}
+    if chunk is not None:  # each chunk's mean, read at its first token
+        first = (chunk >= 0) & (chunk != torch.cat([chunk.new_full((1,), -1), chunk[:-1]]))
+        per = torch.where(first, chunk_mean(d, chunk).abs(), 0.0)
+        out |= {"chunks": first.sum().to(d.dtype), "chunk_abs_log_ratio_sum": per.sum(),
+                "chunk_abs_log_ratio_max": per.amax() if d.numel() else zero}
+    return out

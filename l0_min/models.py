@@ -14,9 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-TINY_RANDOM = "tiny-random"
-SMOLLM2 = "smollm2-135m"
-BUILTIN = (TINY_RANDOM, SMOLLM2)
+BUILTIN = {"tiny-random": lambda out: save_random_llama(out, tiny_tokenizer()),  # name -> build(folder)
+           "smollm2-135m": lambda out: _convert_smollm2(out)}
 
 # ChatML with the markers written as plain text, so it works with any tokenizer (the byte tokenizer of
 # tiny-random has no special tokens for them). Same layout as SmolLM2-Instruct's own template.
@@ -35,12 +34,11 @@ class ModelNotFoundError(FileNotFoundError):
 def resolve_model(name_or_path: str) -> Path:
     """The Hugging Face folder for a built-in name or a path; builds built-ins on first use."""
     if not isinstance(name_or_path, (str, os.PathLike)) or str(name_or_path) == "":
-        raise ModelNotFoundError(f"model: expected a built-in name {BUILTIN} or a folder path, got {name_or_path!r}")
+        raise ModelNotFoundError(f"model: expected a built-in name ({', '.join(BUILTIN)}) or a folder path, got "
+                                 f"{name_or_path!r}")
     name = str(name_or_path)
-    if name == TINY_RANDOM:
-        return _build_once(name, lambda out: save_random_llama(out, tiny_tokenizer()))
-    if name == SMOLLM2:
-        return _build_once(name, _convert_smollm2)
+    if name in BUILTIN:
+        return _build_once(name, BUILTIN[name])
     path = Path(name).expanduser()
     if not path.exists() and name.count("/") == 1 and not name.startswith((".", "/", "~")):
         path = _from_hub(name)

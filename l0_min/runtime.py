@@ -39,8 +39,7 @@ def start_embedded_server(cfg: Config, model_path: str | Path, log_dir: str | Pa
     log_path = Path(log_dir) / "server.log" if log_dir else None
     args = ["--dtype", cfg.model.serving_dtype(cuda=False), *cfg.inference.embedded_args]
     if "--threads" not in args:
-        # leave a core to the kernels and the event loop: server threads contending with them for every core
-        # run slower than fewer threads that do not
+        # a core left to the kernels and the event loop: threads contending with them for every core run slower
         args += ["--threads", str(max(1, (os.cpu_count() or 1) - 1))]
     return start_server_process(str(model_path), port=cfg.inference.embedded_port, extra_args=args, log_path=log_path)
 
@@ -72,7 +71,7 @@ def check_sandbox(cfg) -> None:
 
 async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> None:
     """Every worker loads the weights folder `folder` and confirms `version`; then the other step_* folders beside it
-    go. A failed load raises (SGLang's rollback re-reads the new folder, README), so train.py stops."""
+    go. A failed load raises (SGLang's rollback re-reads the new folder, docs/gpu.md), so train.py stops."""
     folder = Path(folder).resolve()
     await policy.update_weights_from_disk(str(folder), version)
     for old in folder.parent.glob("step_*"):
@@ -129,6 +128,13 @@ async def policy_client(cfg: Config, model_path: str | Path, log_dir: str | Path
         waited = await client.wait_ready()
         print(f"inference ready: {', '.join(urls)} ({waited:.0f} s)", flush=True)
         yield client
+
+
+async def servers_ready(cfg: Config) -> None:
+    """Wait until inference.urls answer /health (train.py, before the learner: a server on its GPU has then taken the
+    memory the learner's check must leave it)."""
+    async with policy_client(cfg, ""):
+        pass
 
 
 @contextlib.asynccontextmanager

@@ -1,13 +1,13 @@
 """Host-side search and page backends behind the agent's `web_search` / `read_page` tools: `BM25Backend` (local,
 the offline default), `RetrieverClient` (a Search-R1-compatible retriever), `SerperBackend` (Google via serper.dev,
 pages via the Jina reader), each with `async search(query, k)` (best first) and `async read_page(ref)`. A missing
-page is a normal answer; a failing call raises `SearchError` (the tool server tells the backend's failures from the
-request's: README "Inside the loop").
+page is a normal answer; a failing call raises `SearchError` (whose failure: the tool server says, docs/internals.md).
 """
 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import json
 import os
 import re
@@ -21,11 +21,6 @@ from l0_min.config import ToolsConfig
 
 class SearchError(RuntimeError):
     """A search or page backend failed (not "no results"); the message names the backend."""
-
-
-def _check_k(k: int) -> None:
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
 
 
 def _not_found(ref: str) -> str:
@@ -52,9 +47,8 @@ def tokenize(text: str) -> list[str]:
 
 class BM25Backend:
     """BM25 over title + text of a list of documents {id, title, text}. Searches run in one thread of their own, in
-    turn, off the event loop: many episodes search at once (the tool server lets each one have one search there), and
-    a query's cost grows with its terms: the first `max_terms` distinct ones count."""
-    max_terms = 32  # a 2,000-character query of common words: 21 -> 2.6 ms at 100k documents
+    turn, off the event loop: many episodes search at once, and a long query takes long (the tool server caps them)."""
+    max_terms = 32  # a query's first distinct terms count (its cost grows with them: 2,000 characters, 21 -> 2.4 ms)
 
     def __init__(self, docs: list[dict], k1: float = 1.5, b: float = 0.75):
         import bm25s
@@ -79,7 +73,8 @@ class BM25Backend:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="bm25")
 
     def search_sync(self, query: str, k: int) -> list[dict]:
-        _check_k(k)
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
         if not (tokens := list(dict.fromkeys(tokenize(query)))[: self.max_terms]):
             return []
         idx, scores = self._bm25.retrieve([tokens], k=min(k, len(self.docs)), show_progress=False)
@@ -102,7 +97,18 @@ class BM25Backend:
     async def read_page(self, ref: str) -> str:
         ref = ref.strip()
         d = self._by_id.get(ref) or self._by_title.get(ref) or self._by_title_folded.get(ref.casefold())
-        return format_page(d) if d else _not_found(ref)
+        near = [] if d else self.closest(ref)
+        return format_page(d) if d else _not_found(ref) + (f" Closest refs: {', '.join(near)}." if near else "")
+
+    def closest(self, ref: str, n: int = 5) -> list[str]:
+        """Up to `n` refs near an unknown one, a wiki's "did you mean": the ids whose id or title (case-folded) starts
+        with it, then contains it, then difflib's close matches. None over 5,000 documents (a scan a miss)."""
+        if len(self.docs) > 5000 or not (key := ref.casefold()):
+            return []
+        keys = {k: d["id"] for d in self.docs for k in (d["id"].casefold(), d["title"].casefold())}
+        near = [i for k, i in keys.items() if k.startswith(key)] + [i for k, i in keys.items() if key in k]
+        near += [keys[k] for k in difflib.get_close_matches(key, list(keys), n, 0.6)]
+        return [i[:100] for i in dict.fromkeys(near)][:n]
 
 
 class _Http:
@@ -129,12 +135,11 @@ class _Http:
                 body, status = b"", r.status
                 while len(body) < self.max_reply and (chunk := await r.content.read(self.max_reply - len(body))):
                     body += chunk
-            body = body.decode("utf-8", "replace")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             raise SearchError(f"{self.name}: {method} {url} failed: {type(e).__name__}: {e}") from None
         if status >= 400:
-            raise SearchError(f"{self.name}: {method} {url} -> HTTP {status}: {body[:300]}")
-        return body
+            raise SearchError(f"{self.name}: {method} {url} -> HTTP {status}: {body[:300].decode(errors='replace')}")
+        return body.decode(errors="replace")
 
     async def _json(self, method: str, url: str, **kw):
         body = await self._request(method, url, **kw)
@@ -168,7 +173,6 @@ class RetrieverClient(_Http):
         self._seen: dict[str, dict] = {}
 
     async def search(self, query: str, k: int) -> list[dict]:
-        _check_k(k)
         data = await self._json("POST", self.url, json={"queries": [query], "topk": k, "return_scores": True})
         try:
             hits = data["result"][0]
@@ -221,8 +225,6 @@ class SerperBackend(_Http):
     def __init__(self, api_key: str, base_url: str = "https://google.serper.dev", reader: JinaReader | None = None,
                  timeout: float = 20.0):
         super().__init__(timeout)
-        if not api_key:
-            raise ValueError("SerperBackend: empty api_key")
         self.api_key, self.base_url = api_key, base_url.rstrip("/")
         self.reader = reader or JinaReader(timeout=timeout)
 

@@ -20,7 +20,8 @@ import re
 from html import escape
 from pathlib import Path
 
-from l0_min.episode import STATUSES, is_number
+from l0_min.config import is_number
+from l0_min.episode import STATUSES
 
 
 def _e(x) -> str:
@@ -272,13 +273,8 @@ _JS = """
 
   function readHash() {  // #status=answered,timeout&step=step_00002&open=all
     const p = new URLSearchParams(location.hash.slice(1));
-    if (p.has("status")) {
-      const want = new Set(p.get("status").split(","));
-      boxes.forEach(b => { b.checked = want.has(b.value); });
-    }
-    if (p.has("step") && Array.from(stepSel.options).some(o => o.value === p.get("step"))) {
-      stepSel.value = p.get("step");
-    }
+    if (p.has("status")) boxes.forEach(b => { b.checked = p.get("status").split(",").includes(b.value); });
+    if (Array.from(stepSel.options).some(o => o.value === p.get("step"))) stepSel.value = p.get("step");
     if (envs.includes(p.get("env"))) envSel.value = p.get("env");
     if (p.get("open") === "all") eps.forEach(e => { e.open = true; });
   }

@@ -79,6 +79,41 @@ def test_training_rows_broadcast_step_advantages_to_action_tokens():
     assert rows[0].old_logp == [0.0, -1.0, -2.0, 0.0, -1.0, -2.0]
 
 
+def test_step_rewards_enter_reinforce_pp_returns_and_grpo_outcomes_by_hand():
+    """reward.step_weight 0.5, answer weight 1 (format and exec 0): two right answers, A's steps with parts
+    [0.2, 0, 0.6], B's [0, -0.1, 0]. Per-step rewards A [0.1, 0, 0.3 + 1], B [0, -0.05, 1]; REINFORCE++ returns:
+    gamma 1: A [1.4, 1.3, 1.3], B [0.95, 0.95, 1.0]; gamma 0.5: A [0.1 + 0.5 * 0.65, 0 + 0.5 * 1.3, 1.3] =
+    [0.425, 0.65, 1.3], B [0.225, 0.45, 1.0]; then one z-score over the six. GRPO's outcome is the total (1.4 and
+    0.95: A +1, B -1 in their group of two), where without step rewards both are 1.0 (advantage 0)."""
+    from l0_min.config import RewardConfig
+    from l0_min.rewards import score_episode
+
+    class Env:
+        name = "stepped"
+        score = staticmethod(lambda ep: {"core": 1.0})
+        step_rewards = staticmethod(lambda ep: ep.parts)
+
+    def scored(parts, weight):
+        ep = _ep([0.0] * len(parts))
+        ep.parts, ep.final_answer = parts, "a"
+        score_episode(ep, RewardConfig(answer_weight=1.0, format_weight=0.0, exec_weight=0.0, step_weight=weight), Env)
+        return ep
+
+    a, b = scored([0.2, 0.0, 0.6], 0.5), scored([0.0, -0.1, 0.0], 0.5)
+    assert [s.reward for s in a.steps] == pytest.approx([0.1, 0.0, 1.3], abs=1e-12) and a.reward == pytest.approx(1.4)
+    assert [s.reward for s in b.steps] == pytest.approx([0.0, -0.05, 1.0], abs=1e-12) and b.reward == pytest.approx(0.95)
+    for gamma, want in ((1.0, [[1.4, 1.3, 1.3], [0.95, 0.95, 1.0]]), (0.5, [[0.425, 0.65, 1.3], [0.225, 0.45, 1.0]])):
+        got = [algo.discounted_returns([s.reward for s in ep.steps], gamma) for ep in (a, b)]
+        assert got == [pytest.approx(w, abs=1e-12) for w in want]
+        rows = training_rows([a, b], AlgoConfig(advantage="reinforce++", gamma=gamma, eps=0.0))
+        z = algo.zscore(want[0] + want[1], eps=0.0)
+        assert [r.adv[1 + 3 * i] for r in rows for i in range(3)] == pytest.approx(z, abs=1e-6), gamma
+    assert algo.step_advantages([[s.reward for s in ep.steps] for ep in (a, b)], [0, 0], "grpo", eps=0.0) == \
+        [[1.0] * 3, [-1.0] * 3]
+    plain = [scored(p, 0.0) for p in ([0.2, 0.0, 0.6], [0.0, -0.1, 0.0])]  # outcome only: nothing to tell them apart
+    assert algo.step_advantages([[s.reward for s in ep.steps] for ep in plain], [0, 0], "grpo") == [[0.0] * 3] * 2
+
+
 def test_env_failures_masked_only_when_asked():
     eps = [_ep([1.0]), _ep([0.0], status=ENV_ERROR)]
     assert training_rows(eps, AlgoConfig())[1].mask == [0.0, 1.0, 1.0]

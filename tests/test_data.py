@@ -8,14 +8,18 @@ from pathlib import Path
 import pytest
 
 from l0_min.config import DataConfig
-from l0_min.data import (
-    DataError,
-    find_benchmark_file,
-    load_benchmark,
-    load_file,
-    load_tasks,
-)
-from l0_min.envs.qa import corpus_from_tasks, load_corpus, make_world
+from l0_min.data import DataError, find_benchmark_file
+from l0_min.envs.qa import corpus_from_tasks, load_corpus, load_tasks, make_world
+
+
+def load_file(path, limit=None, skip_bad_rows=False):
+    """A file of any QA layout, as data.train names one."""
+    return load_tasks(str(path), DataConfig(skip_bad_rows=skip_bad_rows), limit)
+
+
+def load_benchmark(name, path=None, skip_bad_rows=False):
+    """A benchmark by name, from a file or folder if given (evaluate.py --bench NAME --data PATH)."""
+    return load_tasks(name, DataConfig(data_dir=path or "", skip_bad_rows=skip_bad_rows))
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 needs_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared benchmark data not present at {SHARED}")
@@ -255,7 +259,7 @@ def test_unknown_layouts_and_files(tmp_path):
 
 
 def test_benchmark_names_and_folders(tmp_path, monkeypatch):
-    with pytest.raises(DataError, match="unknown benchmark 'squad'; known: simpleqa"):
+    with pytest.raises(DataError, match=r"unknown benchmark 'squad': expected 'synthetic\[:train\|:heldout\]', a benchmark name \(simpleqa"):
         load_benchmark("squad")
     (tmp_path / "bamboogle").mkdir()
     write(tmp_path / "bamboogle" / "test.csv", "Question,Answer\nq,a\n")
@@ -271,7 +275,7 @@ def test_benchmark_names_and_folders(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="nq: no --data, data.data_dir or .L0_MIN_DATA given, and huggingface_hub is not "
                                         "installed to download it. Pass --data FILE"):
         load_benchmark("nq")
-    with pytest.raises(DataError, match="is not 'synthetic"):
+    with pytest.raises(DataError, match="unknown benchmark 'no-such-thing': expected 'synthetic"):
         load_tasks("no-such-thing")
 
 

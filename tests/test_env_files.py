@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from l0_min import config
-from l0_min.envs import load_env, load_sources, setup_cells
+from l0_min.collect import setup_cells
+from l0_min.envs import load_env, load_sources
 from l0_min.envs.files import LONG_KINDS, expert_actions, make_tasks, normalize_path, workspace
 from l0_min.episode import Episode, Task
 

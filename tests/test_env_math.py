@@ -148,7 +148,7 @@ def test_gsm8k_file_loads_and_its_expert_runs_the_annotations(tmp_path):
     assert "answer = 1200 - 180\n" in expert_actions(tasks[1])[0]  # the unannotated last step
     assert expert_actions(tasks[2]) is None
     (tmp_path / "words.jsonl").write_text('{"question": "Capital of France?", "answer": "Paris"}\n')
-    with pytest.raises(ValueError, match=r"row 1 \(words:1\): the gold answer 'Paris' is not a number"):
+    with pytest.raises(ValueError, match=r"words.jsonl: row 1: the gold answer 'Paris' is not a number"):
         env().tasks(str(tmp_path / "words.jsonl"))
 
 

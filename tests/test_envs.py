@@ -12,7 +12,8 @@ import pytest
 
 from l0_min import config as configlib
 from l0_min.collect import TaskStream
-from l0_min.envs import load_env, load_sources, setup_cells
+from l0_min.collect import setup_cells
+from l0_min.envs import load_env, load_sources
 from tests.test_train import ROOT, _env
 
 README_ENV = re.search(r"### Write your own environment.*?```python\n(.*?)```", (ROOT / "README.md").read_text(),
@@ -71,7 +72,7 @@ def test_setup_cells_write_files_in_pieces_and_drop_tools_and_refuse_odd_paths(t
     """Issue 37: a workspace over the kernel's 2 MiB message cap is written in cells of at most SETUP_CHUNK
     characters (one cell stalled to kernel.exec_timeout before); a name over 255 bytes is refused with that
     reason (the error's echo of the file cut the cause off)."""
-    from l0_min.envs import SETUP_CHUNK
+    from l0_min.collect import SETUP_CHUNK
     from l0_min.sandbox.kernel import MAX_FRAME
 
     monkeypatch.chdir(tmp_path)
@@ -88,7 +89,7 @@ def test_setup_cells_write_files_in_pieces_and_drop_tools_and_refuse_odd_paths(t
         exec(cell, ns)
     assert all((tmp_path / p).read_text() == text for p, text in big.items())
     assert setup_cells({}, ("read_page",)) == ["del read_page"] and setup_cells({}) == []
-    for bad in ("/etc/passwd", "../up.txt", "a/../../b", "a b.txt", ""):
+    for bad in ("/etc/passwd", "../up.txt", "a/../../b", "a b.txt", "", ".", "a/./b", "./x"):  # '.': issue 44
         with pytest.raises(ValueError, match="not a relative path"):
             setup_cells({bad: "x"})
     with pytest.raises(ValueError, match=r"setup: workspace file name 'aaaa.*'... is 256 bytes \(at most 255\)"):

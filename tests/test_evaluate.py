@@ -203,9 +203,9 @@ def hotpot_file(tmp_path: Path) -> Path:
 
 
 def tasks_of(path) -> list[Task]:
-    from l0_min.data import load_file
+    from l0_min.envs.qa import load_tasks
 
-    return list(load_file(path))
+    return list(load_tasks(str(path)))
 
 
 def cli(*args, out, model="tiny-random", url=None, extra=()):
@@ -677,8 +677,10 @@ def test_a_gsm8k_file_is_scored_by_the_math_grader(server, tmp_path):
     path = tmp_path / "gsm8k.jsonl"
     path.write_text("".join(json.dumps({"question": f"Problem {i}: how many?", "answer": f"Work: 1+2=<<1+2=3>>3\n#### {g}"})
                             + "\n" for i, g in enumerate(golds)))
-    tasks = tasks_of(path)
-    assert {t.env for t in tasks} == {"math"} and [t.answers for t in tasks] == [[g] for g in golds]
+    from l0_min.envs.math import load_tasks as math_tasks
+
+    tasks = math_tasks(str(path))
+    assert [t.answers for t in tasks] == [[g] for g in golds]
     server.use(tasks)
     server.answers = {t.question: [a] for t, a in zip(tasks, said)}
     s = cli("--bench", "gsm8k", "--data", str(path), "--mode", "direct", out=tmp_path / "math", url=server.url)
@@ -689,7 +691,9 @@ def test_a_gsm8k_file_is_scored_by_the_math_grader(server, tmp_path):
     assert "| model | mode | bench | n | correct | 95% CI |" in (tmp_path / "math" / "summary.md").read_text()
     path.write_text(path.read_text() + json.dumps({"question": "No gold?", "answer": "The answer is 4."}) + "\n")
     with pytest.raises(DataError, match=r"gsm8k.jsonl: row 6: GSM8K layout: field 'answer' must end with '#### <number>'"):
-        tasks_of(path)
+        math_tasks(str(path))
+    with pytest.raises(DataError, match=r"gsm8k.jsonl: a GSM8K file: the math environment reads it"):
+        tasks_of(path)  # the QA environment's loader
 
 
 @pytest.mark.slow
@@ -756,9 +760,10 @@ def test_gold_answers_score_em_1_on_every_shared_benchmark(server, tmp_path):
     assert len(files) >= 6
     for path in files:
         bench = path.parent.name
-        from l0_min.data import load_benchmark
+        from l0_min.config import DataConfig
+        from l0_min.envs import math, qa
 
-        tasks = list(load_benchmark(bench, path=str(path), limit=5))
+        tasks = list((math if bench == "gsm8k" else qa).load_tasks(bench, DataConfig(data_dir=str(path)), limit=5))
         server.use(tasks)
         s = cli("--bench", bench, "--data", str(path), "--mode", "direct", "--limit", "5", out=tmp_path / bench, url=server.url)
         assert (s["metrics"]["n"], s["metrics"]["score"]) == (5, 1.0), bench  # the env's headline: official EM, correct
@@ -913,7 +918,9 @@ def test_a_judge_outage_loses_no_generation_and_the_next_run_judges_the_rest(ser
     tasks = tasks_of(data)[:3]
     server.use(tasks, policy={t.question: ["gold", "wrong", "silent"][i] for i, t in enumerate(tasks)}.get)
     server.chat_status = 503
-    monkeypatch.setattr(evaluate, "chat_completion", functools.partial(evaluate.chat_completion, tries=1))  # no backoff
+    import l0_min.evaluation as evaluation
+
+    monkeypatch.setattr(evaluation, "chat_completion", functools.partial(evaluation.chat_completion, tries=1))  # no backoff
     out = tmp_path / "outage"
     args = ["--bench", "hotpotqa", "--data", str(data), "--mode", "direct", "--limit", "3", "--judge-model", "judge-x",
             "--judge-url", server.url + "/v1/chat/completions"]  # written out: accepted
@@ -984,7 +991,7 @@ def test_more_errors_are_one_line_and_come_before_anything_loads(server, tmp_pat
 def test_a_csv_with_a_byte_order_mark_loads_and_a_bad_encoding_names_its_fix(server, tmp_path):
     import gzip
 
-    from l0_min.data import DataError, load_file
+    from l0_min.data import DataError
 
     bom = tmp_path / "bamboogle.csv"
     bom.write_text("Question,Answer\nWho wrote Hamlet?,William Shakespeare\n", encoding="utf-8-sig")  # Excel's export
@@ -996,6 +1003,22 @@ def test_a_csv_with_a_byte_order_mark_loads_and_a_bad_encoding_names_its_fix(ser
     for path, write in ((tmp_path / "q.jsonl", Path.write_bytes), (tmp_path / "q.jsonl.gz", lambda p, b: p.write_bytes(gzip.compress(b)))):
         write(path, line)
         with pytest.raises(DataError) as e:
-            load_file(path)
+            tasks_of(path)
         assert "row 1: not UTF-8 text (byte 0x93): fix the encoding of the file (e.g. iconv -f cp1252 -t utf-8 IN > OUT" \
                in one_line(e) and "for a .gz file: gunzip -c IN | iconv -f cp1252 -t utf-8 | gzip > OUT" in str(e.value)
+
+
+def test_a_gsm8k_file_given_by_bench_name_gets_the_math_environments_row_checks(tmp_path):
+    """Issue 44: `--bench gsm8k --data FILE` skipped the math environment's check that golds are numbers (a gold of
+    'seven' was kept and could never score; --env math refused it), and a row with two '####' silently took the last."""
+    good = {"question": "2 + 5?", "answer": "2 + 5 = <<2+5=7>>7\n#### 7"}
+    for bad, why in (({"question": "How many?", "answer": "Count them.\n#### seven"}, "the gold answer 'seven' is not a number"),
+                     ({"question": "Sum?", "answer": "1 + 1 = 2\n#### 2\nSo 3.\n#### 3"}, "more than one '####' mark")):
+        path = tmp_path / "gsm8k.jsonl"
+        path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+        args = evaluate.parse_args(["--bench", "gsm8k", "--data", str(path)])
+        with pytest.raises(DataError, match=rf"gsm8k.jsonl: row 2: [^\n]*{why}"):
+            evaluate.load_tasks_and_env(args, evaluate.eval_config(args))
+    path.write_text(json.dumps(good) + "\n")
+    _, tasks, env = evaluate.load_tasks_and_env(args, evaluate.eval_config(args))
+    assert env.name == "math" and [t.answers for t in tasks] == [["7"]]

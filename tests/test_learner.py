@@ -60,6 +60,17 @@ def test_truncated_importance_weights_and_band_give_their_exact_numbers_on_2_ran
 
 
 @pytest.mark.slow
+def test_token_and_chunk_log_ratios_of_stale_samples_are_the_hand_computed_ones_on_2_ranks(report):
+    """The sampler's log-probs moved by +0.3 / -0.1 at even / odd positions: the learner reports |log ratio| per
+    token (mean, max 0.3) and per chunk (|the mean move of an agent step's action|: +0.3 and -0.1 cancel in part, so
+    the chunk mean is smaller), within the learner-vs-sampler gap of the unmoved rows (< 1e-5, above)."""
+    got, want = report["stale"]["got"], report["stale"]["want"]
+    assert want["chunks"] > 5 and want["chunk_abs_log_ratio_mean"] < want["abs_log_ratio_mean"]
+    for k in ("abs_log_ratio_mean", "abs_log_ratio_max", "chunk_abs_log_ratio_mean", "chunk_abs_log_ratio_max"):
+        assert got[k] == pytest.approx(want[k], abs=1e-5), k
+
+
+@pytest.mark.slow
 def test_lora_on_2_ranks_equals_a_plain_peft_step_and_exports_merged(report):
     lora = report["lora"]  # LoRA under FSDP2 on 2 ranks == a plain peft step on one process, exported merged
     assert 0 < lora["trainable"] < lora["all"] / 4
@@ -215,16 +226,48 @@ def test_memory_estimate_is_the_hand_computation_for_qwen25_3b_and_stops_start_u
     assert got == pytest.approx(want, rel=1e-12)
     assert [round(x, 2) for x in got.values()] == [2.87, 2.87, 5.75, 1.44, 0.87, 10.27]  # 24.1 GiB a rank
     one = learner.memory_estimate(config, n, n, cfg, world=1, mixed=True, ref=False)
-    assert sum(one.values()) == pytest.approx(57.1, abs=0.05)  # one H100 measured 57.0 (README)
+    assert sum(one.values()) == pytest.approx(57.1, abs=0.05)  # one H100 measured 57.0 (docs/gpu.md)
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, 80 * 2**30))
     with pytest.raises(learner.NoRoom, match=r"the learner needs ~24.1 GiB on GPU 3 \(weights 2.9, grads 2.9, AdamW 5.7, "
                        r"reference 1.4, gathered 0.9, activations 10.3, per micro-batch of 32768 tokens\) of 10.0 free of "
-                       r"80.0: 70.0 GiB are in use \(an inference server\?\)"):  # fmt: skip
-        learner.check_memory(got, torch.device("cuda", 3), 32768)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (25 * 2**30, 80 * 2**30))
+                       r"80.0: 70.0 GiB are in use \(an inference server\?\); none of "):  # fmt: skip
+        learner.check_memory(config, n, n, cfg, 4, True, True, (10.0, 80.0), 3)
     monkeypatch.setattr(learner.dist, "get_rank", lambda: 1)  # fits: rank 0 alone says so
-    learner.check_memory(got, torch.device("cuda", 3), 32768)
+    learner.check_memory(config, n, n, cfg, 4, True, True, (25.0, 80.0), 3)
+
+
+def test_a_refused_start_names_what_would_fit_each_with_its_estimate():
+    """Issue 45: one 80 GB GPU beside SGLang (--mem-fraction-static 0.3: ~45 GiB left): the 3B learner (62.9 GiB with
+    its KL reference, 57.1 without) cannot fit; a smaller micro-batch cannot help, so the line names what can: LoRA
+    and more ranks, each with its estimate (by memory_estimate, which test above pins by hand); with nothing that fits,
+    a smaller model. Every estimate in the line is memory_estimate's for that setting."""
+    from transformers import Qwen2Config
+
+    from l0_min import learner
+    from l0_min.config import Config
+
+    config = Qwen2Config(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                         num_attention_heads=16, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    n, cfg = 3_085_938_688, Config().learner
+    cfg.micro_batch_tokens, cfg.activation_checkpointing = 32768, "full"
+    est = lambda c=cfg, nt=n, w=1, ref=True: round(sum(learner.memory_estimate(config, n, nt, c, w, True, ref).values()), 1)
+    lora = 16 * 36 * (9 * 2048 + 2 * 256 + 3 * 11008)  # q, k, v, o, gate, up, down: r x (in + out) each
+    assert (est(), est(ref=False), est(nt=lora), est(w=2), est(w=8)) == (62.9, 57.1, 28.7, 37.0, 17.6)
+
+    def refusal(free: float, c=cfg) -> str:
+        with pytest.raises(learner.NoRoom) as e:
+            learner.check_memory(config, n, n, c, 1, True, True, (free, 79.2), 0)
+        assert "\n" not in str(e.value)
+        return str(e.value).split("are in use (an inference server?); ")[1]
+
+    assert refusal(45.0) == "it would fit with learner.lora_rank=16 (~28.7 GiB), 2 ranks (~37.0 GiB)"
+    assert refusal(58.0) == "it would fit with algo.kl_coef=0 (~57.1 GiB), learner.lora_rank=16 (~28.7 GiB), 2 ranks (~37.0 GiB)"
+    assert refusal(5.0) == ("none of algo.kl_coef=0 (~57.1 GiB), learner.lora_rank=16 (~28.7 GiB), 8 ranks (~17.6 GiB) "
+                            "fits: a smaller model")
+    selective = Config().learner
+    selective.micro_batch_tokens, selective.activation_checkpointing = 32768, "selective"
+    assert est(selective) == 125.9 and est(selective, w=8) > 70  # selective's activations are not sharded
+    assert refusal(70.0, selective) == "it would fit with learner.activation_checkpointing=full (~62.9 GiB)"
 
 
 def test_learner_device_cuda_without_cuda_stops_with_the_reason(monkeypatch):

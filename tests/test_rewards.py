@@ -4,7 +4,7 @@ import pytest
 from l0_min.config import ConfigError, RewardConfig
 from l0_min.episode import Episode, Step, Task
 from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, normalize_answer, token_f1
-from l0_min.rewards import exec_score, format_ok, score_episode
+from l0_min.rewards import format_ok, score_episode
 
 
 @pytest.mark.parametrize("raw, norm", [
@@ -130,11 +130,12 @@ def test_format_ok_thresholds():
     assert not format_ok(text, min_think_chars=3, min_code_chars=0)
 
 
-def test_exec_score():
-    assert exec_score([True, False, None, True, True]) == 0.75
-    assert exec_score([False]) == 0.0
-    assert exec_score([None, None]) == 0.0
-    assert exec_score([]) == 0.0
+@pytest.mark.parametrize("oks, score", [([True, False, None, True, True], 0.75), ([False], 0.0), ([None, None], 0.0),
+                                        ([], 0.0)])
+def test_exec_score_is_the_share_of_the_steps_that_ran_code_without_an_error(oks, score):
+    ep = Episode(Task("t", "q", ["a"]), [Step([], [], [], exec_ok=ok) for ok in oks])
+    score_episode(ep, RewardConfig(), _qa(RewardConfig()))
+    assert ep.rewards["exec"] == score
 
 
 GOOD = "<think>I should search the corpus.</think><code>web_search('Paris')</code>"
@@ -220,3 +221,85 @@ def test_an_action_cut_off_by_the_token_limit_is_not_well_formed_in_the_reward_e
     ep.steps[0].finish_reason = "stop"
     score_episode(ep, RewardConfig(), _qa(RewardConfig()))
     assert ep.steps[0].format_ok is True and ep.rewards["format"] == 1.0
+
+
+# ---- step rewards (reward.step_weight x TaskEnv.step_rewards)
+class _Stepped:
+    """An environment with step rewards of its own: core 1 for "Paris", `parts` one per step."""
+
+    name = "stepped"
+
+    def __init__(self, parts):
+        self.parts, self.called = parts, 0
+
+    def score(self, ep):
+        return {"core": float((ep.final_answer or "").lower() == "paris")}
+
+    def step_rewards(self, ep):
+        self.called += 1
+        return self.parts
+
+
+def test_step_rewards_are_added_to_each_step_and_to_the_total_under_their_weight():
+    """Step i gets step_weight * parts[i] beside its format / exec terms, the last the answer; the total is their sum
+    and ep.rewards["step"] the unweighted sum. An expert prefix's part is dropped with its other terms."""
+    cfg = RewardConfig(step_weight=0.4)
+    ep = _episode("Paris", [(GOOD, True), (GOOD, True), (GOOD, True)])
+    score_episode(ep, cfg, _Stepped([0.5, -0.1, 0.25]))
+    fe = 0.1 / 3 + 0.1 / 3  # each step's format and exec terms
+    assert [s.reward for s in ep.steps] == pytest.approx([fe + 0.2, fe - 0.04, fe + 0.1 + 0.8], abs=1e-12)
+    assert ep.reward == pytest.approx(0.8 + 0.1 + 0.1 + 0.4 * 0.65, abs=1e-12) == sum(s.reward for s in ep.steps)
+    assert ep.rewards["step"] == pytest.approx(0.65, abs=1e-12) and ep.rewards["total"] == ep.reward
+    ep.steps[0].prefix = True  # rollout.resample: the expert's step earns nothing, its part included
+    score_episode(ep, cfg, _Stepped([0.5, -0.1, 0.25]))
+    assert [s.reward for s in ep.steps] == pytest.approx([0.0, 0.05 + 0.05 - 0.04, 0.05 + 0.05 + 0.1 + 0.8], abs=1e-12)
+    assert ep.rewards["step"] == pytest.approx(0.15, abs=1e-12)
+
+
+def test_step_weight_zero_leaves_every_reward_exactly_as_before_and_never_asks_the_environment():
+    """The default (step_weight 0): bit-for-bit the rewards of the formula without step rewards, no "step" metric,
+    and step_rewards() is not called (a broken one cannot touch a run that does not use it)."""
+    ep = _episode("paris", [(GOOD, True), (BAD, False), (GOOD, None), (GOOD, True)])
+    env = _Stepped([float("nan")])
+    score_episode(ep, RewardConfig(), env)
+    assert env.called == 0 and "step" not in ep.rewards
+    assert [s.reward for s in ep.steps] == [0.1 * 1.0 / 4 + 0.1 * 1.0 / 3, 0.1 * 0.0 / 4 + 0.1 * 0.0 / 3, 0.1 * 1.0 / 4,
+                                            0.1 * 1.0 / 4 + 0.1 * 1.0 / 3 + 0.8 * 1.0]  # == : exactly, not approx
+    assert ep.reward == 0.8 * 1.0 + 0.1 * 0.75 + 0.1 * (2 / 3)
+
+
+@pytest.mark.parametrize("parts, why", [([0.1, 0.2], "returned [0.1, 0.2]"), ([0.1, float("nan"), 0.0], "nan"),
+                                        ([0.1, float("inf"), 0.0], "inf"), ((0.0, "1", 0.0), "'1'"),
+                                        ([True, 0.0, 0.0], "True"), (None, "None")])
+def test_a_wrong_length_or_a_non_finite_step_reward_is_one_line_naming_the_environment_and_task(parts, why):
+    ep = _episode("Paris", [(GOOD, True)] * 3)
+    with pytest.raises(ValueError) as e:
+        score_episode(ep, RewardConfig(step_weight=0.4), _Stepped(parts))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("env 'stepped': step_rewards() of task 't1' returned ") and why in msg
+    assert msg.endswith("expected a list of 3 finite numbers, one per step")
+
+
+def test_the_protocol_default_is_no_step_rewards(tmp_path, monkeypatch):
+    """load_env gives an environment without step_rewards the default (zeros, one per step), as TaskEnvBase has it;
+    an object without the part at all (collect's placeholder environment) scores zeros too."""
+    from types import SimpleNamespace
+
+    from l0_min.config import Config
+    from l0_min.envs import TaskEnvBase, load_env
+
+    (tmp_path / "bare_env.py").write_text(
+        "class Env:\n    metrics, tools, system_prompt, worked_example = ('correct',), (), '', ()\n"
+        "    def tasks(self, source, limit=None): return []\n    def prompt(self, task): return ''\n"
+        "    def files(self, task): return {}\n    def expert(self, task): return None\n"
+        "    def corpus(self, tasks): return []\n    def score(self, ep): return {'core': 1.0, 'correct': 1.0}\n"
+        "def make_env(cfg): return Env()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    ep = _episode("x", [(GOOD, True)] * 2)
+    assert TaskEnvBase().step_rewards(ep) == [0.0, 0.0]
+    env = load_env("bare_env", Config())
+    assert env.step_rewards(ep) == [0.0, 0.0]
+    score_episode(ep, RewardConfig(step_weight=0.4), env)
+    assert ep.rewards["step"] == 0.0 and ep.reward == pytest.approx(1.0, abs=1e-12)
+    score_episode(ep, RewardConfig(step_weight=0.4), SimpleNamespace(name="n", score=lambda ep: {"core": 0.0}))
+    assert ep.rewards["step"] == 0.0

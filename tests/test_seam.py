@@ -189,6 +189,63 @@ def test_a_score_without_a_core_in_range_is_one_line_naming_env_and_task(returne
                             "'core' is a number in [0, 1]")
 
 
+def test_a_headline_metric_score_never_returns_is_one_line_naming_env_and_task():
+    """Issue 44: a score() without its metrics[0] was caught only where SFT ran; with sft.episodes=0 the run trained to
+    exit 0 printing "-" for the metric. score_episode refuses it (the collector masks the episode, naming this)."""
+    from l0_min.config import RewardConfig
+    from l0_min.episode import Episode, Task
+    from l0_min.rewards import score_episode
+
+    class Env:
+        name, metrics = "mine", ("correct",)
+
+        def score(self, ep):
+            return {"core": 1.0, "right": 1.0}
+
+    with pytest.raises(ValueError) as e:
+        score_episode(Episode(Task("t7", "q", ["a"])), RewardConfig(), Env())
+    assert str(e.value) == "env 'mine': score() of task 't7' returned 'core', 'right': no 'correct', its headline metric (metrics[0])"
+
+
+def test_a_raising_score_is_printed_once_per_cause_at_1_10_100_and_counted(caplog):
+    """Issue 44: a score() that raises printed one warning per episode (the noise grew with the run): each cause
+    (environment, exception) is counted in the step's metrics and printed at its 1st, 10th, 100th ... episode."""
+    import logging
+    from types import SimpleNamespace
+
+    from l0_min.collect import _score
+    from l0_min.config import Config
+    from l0_min.episode import Episode, Task
+
+    class Env:
+        name, metrics = "mine", ("correct",)
+
+        def score(self, ep):
+            raise KeyError("gold")
+
+    svc = SimpleNamespace(cfg=Config(), envs={"mine": Env()}, counters={})
+    with caplog.at_level(logging.WARNING, logger="l0_min.collect"):
+        for i in range(12):
+            ep = Episode(Task(f"t{i}", "q", ["a"], env="mine"), status="answered", final_answer="a")
+            _score(ep, svc)
+            assert ep.masked and ep.status == "env_error" and ep.reward == 0.0
+    assert svc.counters == {"score_errors/mine/KeyError": 12}
+    assert [r.getMessage().split(" (")[-1] for r in caplog.records] == [
+        "1 episode(s) so far of this cause, score_errors/mine/KeyError)", "10 episode(s) so far of this cause, "
+        "score_errors/mine/KeyError)"]
+
+
+def test_an_evaluation_of_masked_episodes_says_so():
+    """Issue 44: an evaluation whose every episode was masked as an environment error printed "correct 0.0 |
+    8 episodes" and no more."""
+    from l0_min.evaluation import format_summary, summarize
+
+    recs = [{"id": f"t{i}", "sample": 0, "correct": 0.0, "answered": False, "status": "env_error", "steps": 0,
+             "reward": 0.0} for i in range(8)]
+    line = format_summary(summarize(recs, ["correct"]) | {"unit": "episodes"})
+    assert line.endswith("| 8 masked as environment errors (scored 0) | 8 episodes"), line
+
+
 def _train(tmp_path, *args, timeout=600):
     return subprocess.run([sys.executable, "train.py", "--config", "configs/tiny_test.yaml", "env=letters_env",
                            "data.train=words:train", "data.eval=words:heldout", f"run.out_dir={tmp_path / 'runs'}", *args],
@@ -201,7 +258,10 @@ def _train(tmp_path, *args, timeout=600):
     ('return [f"<think>I count the letters in the file.</think>\\n<code>submit_final_answer(\'wrong\')</code>"]',
      r"train.py: error: 0 of 4 expert episodes solved their task \(sft.episodes=4\); the first, task train-\w+ of env "
      r"'letters_env': answered, answer 'wrong', gold \['\d+'\]\n"),
-    ("return None", r"train.py: error: sft.episodes=4 but no training task has an expert"),
+    ("return None", r"train.py: error: sft.episodes=4 but no training task has an expert: every expert\(task\) of env "
+                    r"'letters_env' returned None \(set sft.episodes=0\)\n"),
+    ("raise KeyError('word')", r"train.py: error: env 'letters_env': expert\(\) raised KeyError on task 'train-\w+': "
+                               r"'word'\n"),  # issue 44: a traceback and exit 1
 ])
 def test_an_expert_that_solves_nothing_stops_the_run_with_one_line(tmp_path, mistake, message):
     """It ended with exit 0 and "SFT: 0 expert episodes": no SFT and no RL step though both were asked for."""
@@ -212,6 +272,19 @@ def test_an_expert_that_solves_nothing_stops_the_run_with_one_line(tmp_path, mis
     p = _train(tmp_path, "sft.episodes=4", "sft.steps=1", "run.eval_every=-1")
     assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-2000:]
     assert re.search(message, p.stderr), p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_headline_score_never_returns_stops_an_rl_only_run_naming_it(tmp_path):
+    """Issue 44: with sft.episodes=0 a score() without its metrics[0] trained to exit 0, printing "-" for the metric."""
+    env = README_ENV.replace('return {"core": correct, "correct": correct}', 'return {"core": correct, "right": correct}')
+    assert env != README_ENV
+    (tmp_path / "letters_env.py").write_text(env)
+    p = _train(tmp_path, "sft.episodes=0", "run.eval_every=-1", "run.steps=2")
+    assert p.returncode == 3, p.stdout[-2000:] + p.stderr[-2000:]
+    assert re.search(r"train.py: error: every episode of step 1 failed and was masked \(4 env_error\), the first: the "
+                     r"environment's score\(\) raised ValueError: env 'letters_env': score\(\) of task 'train-\w+' returned "
+                     r"'core', 'right': no 'correct', its headline metric \(metrics\[0\]\); stopping\n", p.stderr), p.stderr[-2000:]
 
 
 @pytest.mark.slow

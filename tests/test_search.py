@@ -148,6 +148,61 @@ def test_a_bm25_query_counts_its_first_max_terms_distinct_terms():
     assert {h["id"] for h in repeated} == {"d5", "d6"} and repeated[0]["score"] == repeated[1]["score"]
 
 
+async def test_read_page_of_an_unknown_ref_names_the_closest_refs_and_nothing_else_changes(world, bm25):
+    """A mistyped ref (issue 46: read_page("moberk") for moberk-chamber-orchestra) gets the not-found line and up
+    to 5 refs near it: those whose id or title starts with it, then contains it, then difflib's close matches;
+    a ref near nothing gets the line alone; a page found is the page as before. Over 5,000 documents: none (a scan
+    a miss)."""
+    org = next(d for d in world.corpus if d["title"].endswith("Orchestra"))
+    root = org["id"].split("-")[0]
+    page = await bm25.read_page(root)
+    head = f"No page found for {root!r}. Use a document id or an exact title from web_search results."
+    assert page.startswith(head + " Closest refs: ") and page.endswith(".")
+    near = page.removeprefix(head + " Closest refs: ").removesuffix(".").split(", ")
+    assert near[0] == org["id"] and 1 <= len(near) <= 5 and all(r in {d["id"] for d in world.corpus} for r in near)
+    assert org["id"] in (await bm25.read_page(org["id"].replace("-", "_"))).split("Closest refs: ")[1]  # difflib
+    assert org["id"] in (await bm25.read_page(org["title"].lower()[:-3])).split("Closest refs: ")[1]  # a title cut
+    assert await bm25.read_page("Qqqzzx") == "No page found for 'Qqqzzx'. Use a document id or an exact title from " \
+        "web_search results."
+    assert await bm25.read_page(org["id"]) == f"{org['title']}\n\n{org['text']}"
+    big = BM25Backend([{"id": f"d{i}", "title": f"T{i}", "text": "x"} for i in range(5001)])
+    assert big.closest("d1") == [] and BM25Backend(world.corpus).closest("") == []
+
+
+async def test_the_tool_server_records_what_it_served_to_each_episode(world, bm25):
+    """ToolServer.served: ("web_search", id) per hit, ("read_page", the text's first line: the title, or the not-found
+    line) per read, per episode, in order, capped at max_served; what a call's arguments say is not recorded."""
+    import aiohttp
+
+    from l0_min.sandbox.tools import ToolServer
+
+    server = ToolServer(bm25, top_k=2)
+    server.max_served = 5
+    await server.start()
+    paths = {key: server.open_episode(key) for key in "ab"}
+
+    async def call(key, tool, **args):
+        async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(paths[key])) as session:
+            async with session.post("http://x/call", json={"tool": tool, "args": args}) as r:
+                return (await r.json())["result"]
+
+    try:
+        doc = world.corpus[3]
+        hits = await call("a", "web_search", query=doc["title"])
+        await call("a", "read_page", ref=doc["id"])
+        await call("b", "read_page", ref="atlantis")
+        assert server.served("a") == [("web_search", h["id"]) for h in hits] + [("read_page", doc["title"])]
+        assert len(hits) == 2 and server.served("b") == [("read_page", "No page found for 'atlantis'. Use a document id "
+                                                          "or an exact title from web_search results.")]
+        await call("a", "submit_final_answer", answer=doc["id"])
+        await call("a", "web_search", query=doc["title"])
+        assert len(server.served("a")) == 5  # the cap
+        server.close_episode("a")
+        assert len(server.served("a")) == 5 and server.served("zz") == []  # kept for a while after the episode
+    finally:
+        await server.close()
+
+
 def test_bm25_rejects_bad_documents():
     with pytest.raises(ValueError, match="no documents"):
         BM25Backend([])

@@ -51,6 +51,51 @@ def test_empty_dataset_and_unreachable_server(tmp_path):
     assert line and "http://127.0.0.1:9" in line[0], p.stderr[-2000:]
 
 
+def test_the_memory_check_sees_what_a_server_on_the_gpu_took_and_a_refusal_leaves_no_run_folder(tmp_path):
+    """Issue 45: one GPU beside SGLang: the server takes its memory while it loads, so train.py waits for it to answer
+    /health before the learner checks what is free. Stand-ins: the learner's free memory is a file (80 of 80 GiB),
+    and an inference server that answers 503 until it has been asked twice, then takes all but 1 MiB of it and answers
+    200. A check run before the servers were ready would see 80 GiB free and pass; this one stops the run with one
+    line, before any run folder exists."""
+    import threading
+
+    from aiohttp import web
+
+    room, probes = tmp_path / "room", []
+    room.write_text("80 80")
+
+    async def health(request):
+        probes.append(time.monotonic())
+        if len(probes) < 2:
+            return web.Response(status=503)  # loading
+        room.write_text("0.001 80")  # loaded: its weights and KV cache hold the GPU
+        return web.Response(status=200)
+
+    ready, loop = threading.Event(), __import__("asyncio").new_event_loop()
+
+    async def serve():
+        app = web.Application()
+        app.add_routes([web.get("/health", health)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        serve.port = site._server.sockets[0].getsockname()[1]
+        ready.set()
+
+    threading.Thread(target=lambda: (loop.run_until_complete(serve()), loop.run_forever()), daemon=True).start()
+    ready.wait(10)
+    out = tmp_path / "runs"
+    p = subprocess.run([sys.executable, "tests/workers/room_train.py", str(room), "--config", "configs/tiny_test.yaml",
+                        f"inference.urls=[http://127.0.0.1:{serve.port}]", "inference.backoff=0.05",
+                        f"run.out_dir={out}"], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=240)
+    loop.call_soon_threadsafe(loop.stop)
+    errors = [l for l in p.stderr.splitlines() if l.startswith("train.py: error:")]
+    assert p.returncode == 2 and len(errors) == 1, p.stdout[-2000:] + p.stderr[-3000:]
+    assert "the learner needs ~" in errors[0] and "of 0.0 free of 80.0: 80.0 GiB are in use" in errors[0], errors[0]
+    assert len(probes) >= 2 and not out.exists()  # nothing on disk: no run folder, no config
+
+
 def _step_metrics(run_dir: Path) -> dict:
     return {m["step"]: m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "train/loss" in m}
 

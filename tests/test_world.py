@@ -158,7 +158,6 @@ def test_split_is_stable_and_disjoint(w):
     assert 0.1 < len(held) / 256 < 0.3
     assert split(list(reversed(w.tasks)), 0.2)[1] == list(reversed(held))
     assert split(w.tasks, 0.0) == (w.tasks, []) and split(w.tasks, 1.0)[0] == []
-    assert w.split(0.2) == (train, held)
     with pytest.raises(ValueError, match="held_out"):
         split(w.tasks, 1.5)
 
@@ -185,7 +184,8 @@ def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
     """`rollout.py --expert`: the SFT episodes of train.py, written by the expert through bwrap'd kernels and
     the tool socket: every lookup answered right in two steps, real search output in the observations. Where
     results show 40 characters of a page, the long tasks too: each page found by its search and read by its
-    ref, and where the context window filled, the rebuilt context holds the notepad's facts."""
+    ref (what the tool server served recorded with the step that called it: every hop found, the step rewards'
+    chain seen once), and where the context window filled, the rebuilt context holds the notepad's facts."""
     import subprocess
     import sys
     from pathlib import Path
@@ -218,6 +218,10 @@ def test_rollout_expert_solves_world_tasks_through_the_real_kernels(tmp_path):
         for i, page in enumerate(m["support"]):
             assert f"(ref: {page})" in steps[2 * i]["observation"]  # the search found the page ...
             assert docs[page]["text"] in steps[2 * i + 1]["observation"]  # ... and read_page showed all of it
+            assert ["web_search", page] in steps[2 * i]["served"]  # as the tool server recorded it, step by step
+            assert steps[2 * i + 1]["served"] == [["read_page", docs[page]["title"]]]
+        assert all(e["rewards"][f"hop{k}"] == 1.0 for k in range(1, m["hops"] + 1)) and e["rewards"]["ref_missed"] == 0
+        assert sum(world.info_gain(world.Episode.from_json(e), 40)) == pytest.approx(1.0)  # the whole chain, once
         if e["truncations"]:
             rebuilt = next(s for s in steps if s["segment"] == 1)
             written = [s["code"].split('"')[1] for s in steps[: steps.index(rebuilt)] if "notepad.facts" in s["code"]]
@@ -278,3 +282,90 @@ def test_the_expert_reads_pages_only_where_search_results_cut_them():
     assert len(qa) == len(files) == 64 and {t.meta["kind"] for t in files} == set(LONG_KINDS)
     assert all(len(envs["qa"].expert(t)) == 2 * t.meta["hops"] + 1 for t in qa)
     assert [a.count("read_page(") for a in expert_actions(train[0], snippet_chars=40)] == [0, 1, 0]
+
+
+# ---- step rewards (reward.step_weight): information gain over the gold chain, from what the tools served
+STEP_WEIGHT = 0.4  # the recommended reward.step_weight (bench/ablate.py's :step arm)
+GOOD = "<think>I look the pages up one by one.</think><code>print(web_search('x'))</code>"
+
+
+def _scripted(task, served_per_step, answer, weight=STEP_WEIGHT, snippet_chars=40):
+    """An episode of well-formed steps that all ran, each with what the tool server served in it, scored by QA."""
+    from l0_min.config import Config, RewardConfig
+    from l0_min.envs.qa import QA
+    from l0_min.episode import Episode, Step
+    from l0_min.rewards import score_episode
+
+    cfg = Config(reward=RewardConfig(step_weight=weight))
+    cfg.tools.snippet_chars = snippet_chars
+    steps = [Step([], [], [], action_text=GOOD, exec_ok=True, served=list(s)) for s in served_per_step]
+    ep = Episode(task, steps, final_answer=answer, status="answered" if answer is not None else "max_steps")
+    score_episode(ep, cfg.reward, QA(cfg))
+    return ep
+
+
+def _chain(task, docs):
+    """What a search-then-read of each page of the chain serves: the page listed with one other hit, then read."""
+    other = next(p for p in docs if p not in task.meta["support"])
+    return [s for p in task.meta["support"] for s in ([("web_search", p), ("web_search", other)],
+                                                      [("read_page", docs[p]["title"])])]
+
+
+@pytest.mark.parametrize("template", ["older_org", "org_founder_birth_year", "org_founder_birth_country"])
+def test_step_rewards_cannot_make_reading_beat_answering(w, template):
+    """The order of episode totals at the recommended step_weight (0.4), for 2- and 3-hop tasks whose snippets cut
+    the pages (the long config): reading the chain and answering right > answering right without reading (a
+    guess) > reading the chain and answering wrong > the same after re-reading pages (each re-read costs) >
+    answering wrong without reading > no answer > reading without ever answering (no gain is paid without an
+    answer; re-reads cost). The bound: gains sum to at most step_weight, and a wrong answer's reward is 0.72 below a
+    right one's (0.8 x 0.9): at step_weight 0.75 a wrong answer after reading would beat a right guess."""
+    docs, task = world._docs(0, 60), next(t for t in w.tasks if t.meta["template"] == template)
+    gold, chain = task.answers[0], _chain(task, docs)
+    reread = [[("read_page", docs[task.meta["support"][0]]["title"])]] * 2
+    totals = {name: _scripted(task, served, answer).reward for name, served, answer in [
+        ("read, right", chain + [[]], gold), ("right", [[]], gold), ("read, wrong", chain + [[]], "nobody"),
+        ("read much, wrong", chain + reread + [[]], "nobody"), ("wrong", [[]], "nobody"),
+        ("no answer", [[]] * (len(chain) + 2), None), ("read, no answer", chain + reread, None)]}
+    order = list(totals)
+    assert [totals[a] > totals[b] for a, b in zip(order, order[1:])] == [True] * 6, totals
+    hops = len(task.meta["support"])
+    assert totals["read, right"] - totals["right"] == pytest.approx(STEP_WEIGHT, abs=1e-9)  # the whole chain: 1 x weight
+    assert totals["read, wrong"] - totals["read much, wrong"] == pytest.approx(2 * 0.1 * STEP_WEIGHT, abs=1e-9)
+    ep = _scripted(task, chain + [[]], "nobody")
+    gains = world.info_gain(ep, 40)  # per page: half at its search, half at its read; all at the search where the
+    assert sum(gains) == pytest.approx(1.0) and min(gains) == 0.0 == gains[-1]  # fact fits in the snippet
+    for search, read in zip(gains[:-1:2], gains[1::2]):
+        assert (search, read) in ((pytest.approx(0.5 / hops), pytest.approx(0.5 / hops)), (pytest.approx(1 / hops), 0.0))
+    assert ep.rewards["step"] == pytest.approx(1.0) and ep.rewards["core"] == pytest.approx(0.1)
+    assert {k: ep.rewards[k] for k in ep.rewards if k.startswith(("hop", "ref_"))} == {
+        **{f"hop{k}": 1.0 for k in range(1, hops + 1)}, "ref_missed": 0.0, "ref_recovered": 0.0}
+    bound = {name: _scripted(task, served, answer, weight=0.75).reward
+             for name, served, answer in [("right", [[]], gold), ("read, wrong", chain + [[]], "nobody")]}
+    assert bound["read, wrong"] > bound["right"]
+
+
+def test_what_the_agent_prints_earns_nothing_and_hops_count_only_facts_served(w):
+    """Only the tool server's record counts (Step.served): an observation that prints every gold ref earns nothing.
+    A page only listed by a search (its 40-character snippet lacks the fact) is half seen: not a found hop; with
+    whole pages in the snippets (the demo's 300 characters) the search alone finds it. A read_page of a mistyped ref
+    (the server's not-found line) then of the page: ref_missed and ref_recovered."""
+    from l0_min.episode import Step
+
+    docs, task = world._docs(0, 60), next(t for t in w.tasks if t.meta["template"] == "older_org")
+    p1, p2 = task.meta["support"]
+    ep = _scripted(task, [[]], task.answers[0])
+    ep.steps[0].observation = " ".join(f"(ref: {p}) {docs[p]['title']}\n{docs[p]['text']}" for p in (p1, p2))
+    assert world.info_gain(ep, 40) == [0.0] and world.hop_metrics(ep, 40)["hop1"] == 0.0
+    listed = _scripted(task, [[("web_search", p1)], [("web_search", p2)]], "x")
+    assert [listed.rewards[k] for k in ("hop1", "hop2")] == [0.0, 0.0] and world.info_gain(listed, 40) == [0.25, 0.25]
+    whole = _scripted(task, [[("web_search", p1)], [("web_search", p2)]], "x", snippet_chars=300)
+    assert [whole.rewards[k] for k in ("hop1", "hop2")] == [1.0, 1.0] and world.info_gain(whole, 300) == [0.5, 0.5]
+    missed = f"No page found for {p1[:6]!r}. Use a document id or an exact title from web_search results."
+    ep = _scripted(task, [[("read_page", missed)], [("read_page", docs[p1]["title"])]], "x")
+    assert (ep.rewards["ref_missed"], ep.rewards["ref_recovered"], ep.rewards["hop1"]) == (1.0, 1.0, 1.0)
+    assert world.info_gain(ep, 40) == [0.0, 0.5]
+    again = _scripted(task, [[("read_page", missed)], [("read_page", missed)]], "x")  # the same miss twice: a cost
+    assert world.info_gain(again, 40) == [0.0, -0.1] and again.rewards["ref_recovered"] == 0.0
+    plain = Task("f", "Who?", ["Someone"], {"benchmark": "file"})  # a task of a file: no chain, no step rewards
+    assert world.info_gain(world.Episode(plain, [Step([], [], [])]), 40) == [0.0] and world.hop_metrics(
+        world.Episode(plain), 40) == {}

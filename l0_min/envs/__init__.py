@@ -12,9 +12,9 @@ A module is an environment when it defines `make_env(cfg) -> TaskEnv` (`TaskEnvB
 from __future__ import annotations
 
 import importlib
-import re
 from typing import Protocol
 
+from l0_min.answers import split
 from l0_min.config import check
 from l0_min.episode import Episode, Task
 
@@ -38,6 +38,7 @@ class TaskEnv(Protocol):
     def corpus(self, tasks: list[Task]) -> list[dict]: ...  # documents the search tools serve ({id, title, text})
     def judge_prompt(self, question: str, golds: list[str], prediction: str | None) -> str | None: ...  # evaluate.py --judge-url
     def report(self, summaries: list[dict]) -> str: ...  # evaluate.py: tables of its own (QA: the papers' layout)
+    def step_rewards(self, ep: Episode) -> list[float]: ...  # optional: one per step of ep.steps (rewards.score_episode)
 
 
 REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", "tools", "system_prompt",
@@ -45,7 +46,7 @@ REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", 
 
 
 class TaskEnvBase:
-    """Defaults for a TaskEnv: no tools, no files, no expert, no corpus, no judge; the prompt is the question."""
+    """Defaults for a TaskEnv: no tools, files, expert, corpus, judge or step rewards; the prompt is the question."""
 
     name, metrics, eval_metrics, tools, worked_example = "", ("correct",), (), (), ()
     system_prompt = """\
@@ -56,6 +57,26 @@ then one code cell in <code>...</code>. The cell runs in a persistent kernel and
     def __init__(self, cfg=None):
         self.cfg = cfg
 
+    def tasks(self, source: str, limit: int | None = None) -> list[Task]:
+        """The one rule for "synthetic[:train|:heldout]": `synthetic(seed, n)` of data.synthetic_seed and _tasks, its
+        train or held-out part (data.synthetic_heldout, by a hash of the id), data.synthetic_kinds kept, the first
+        `limit`; any other source is the environment's `load(source, limit)` (a file or benchmark it reads)."""
+        name, _, part = source.partition(":")
+        if name != "synthetic":
+            return self.load(source, limit)
+        if part not in ("", "train", "heldout"):
+            raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
+        d = self.cfg.data
+        tasks = self.synthetic(d.synthetic_seed, d.synthetic_tasks)
+        tasks = split(tasks, d.synthetic_heldout)[part == "heldout"] if part else tasks
+        return [t for t in tasks if not d.synthetic_kinds or t.meta.get("kind") in d.synthetic_kinds][:limit]
+
+    def synthetic(self, seed: int, n: int) -> list[Task]:
+        raise ValueError("this environment generates no synthetic tasks")
+
+    def load(self, source: str, limit: int | None = None) -> list[Task]:
+        raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
+
     def prompt(self, task: Task) -> str:
         return f"Task: {task.question}"
 
@@ -64,6 +85,7 @@ then one code cell in <code>...</code>. The cell runs in a persistent kernel and
     def corpus(self, tasks: list[Task]) -> list[dict]: return []  # noqa: E704
     def judge_prompt(self, question: str, golds: list[str], prediction: str | None) -> str | None: return None  # noqa: E704
     def report(self, summaries: list[dict]) -> str: return ""  # noqa: E704
+    def step_rewards(self, ep: Episode) -> list[float]: return [0.0] * len(ep.steps)  # noqa: E704
 
 
 def load_env(spec: str, cfg) -> TaskEnv:
@@ -94,7 +116,7 @@ def load_env(spec: str, cfg) -> TaskEnv:
         raise ValueError(f"env {spec!r}: metrics must name score()'s keys, the headline first; got {env.metrics!r}")
     env.name = getattr(env, "name", "") or spec.rsplit(".", 1)[-1]
     env.eval_metrics = tuple(getattr(env, "eval_metrics", ()) or env.metrics)
-    for hook, default in (("judge_prompt", TaskEnvBase.judge_prompt), ("report", TaskEnvBase.report)):
+    for hook, default in [(h, getattr(TaskEnvBase, h)) for h in ("judge_prompt", "report", "step_rewards")]:
         if not hasattr(env, hook):
             setattr(env, hook, default.__get__(env))
     if bad := set(env.tools) - set(SEARCH_TOOLS):
@@ -143,75 +165,3 @@ def load_sources(sources, cfg, limit: int | None = None) -> tuple[list[list[Task
     if sources and not any(s.weight for s in sources):
         raise ValueError("no source has weight > 0: nothing to draw RL tasks from")
     return parts, [s.weight for s in sources], envs
-
-
-SETUP_CHUNK = 200_000  # characters of file text per setup cell: the kernel echoes a cell back in one message, as
-# JSON of its repr (up to 8 bytes a character: "\u2028"), and the host drops a message over 2 MiB (sandbox.kernel)
-
-
-def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: int = SETUP_CHUNK) -> list[str]:
-    """The hidden first cells of an episode: write the task's files under the workspace, `chunk` characters of
-    text a cell at most, then take the host tools this task does not get out of the namespace (the tool server
-    refuses them anyway). A path that is not relative, or a name over 255 bytes, is refused with its reason.
-
-    >>> print("\\n----\\n".join(setup_cells({"a/b.txt": "xyz"}, ("web_search",), chunk=2)))
-    def _l0_write(path, text, mode):
-        import os
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        with open(path, mode) as f:
-            f.write(text)
-    _l0_write('a/b.txt', 'xy', 'w')
-    ----
-    _l0_write('a/b.txt', 'z', 'a')
-    del _l0_write, web_search
-    """
-    for path in files:
-        if not re.fullmatch(r"[\w.-]+(/[\w.-]+)*", path) or ".." in path.split("/"):
-            raise ValueError(f"setup: workspace file {path!r} is not a relative path of letters, digits, '._-'")
-        if long := [part for part in path.split("/") if len(part.encode()) > 255]:
-            raise ValueError(f"setup: workspace file name {long[0][:40]!r}... is {len(long[0].encode())} bytes (at most 255)")
-    writes = [(f"_l0_write({path!r}, {text[i : i + chunk]!r}, {'a' if i else 'w'!r})", min(chunk, len(text) - i))
-              for path, text in files.items() for i in range(0, max(len(text), 1), chunk)]  # fmt: skip
-    cells, size = [], chunk
-    for line, n in writes:  # as few cells as fit `chunk` characters of text each
-        if size + n > chunk:
-            cells.append([])
-            size = 0
-        cells[-1].append(line)
-        size += n
-    if cells:
-        cells[0].insert(0, 'def _l0_write(path, text, mode):\n    import os\n    os.makedirs(os.path.dirname(path) or ".", '
-                           'exist_ok=True)\n    with open(path, mode) as f:\n        f.write(text)')  # fmt: skip
-    if names := ("_l0_write",) * bool(cells) + drop_tools:
-        cells = cells or [[]]
-        cells[-1].append(f"del {', '.join(names)}")
-    return ["\n".join(c) for c in cells]
-
-
-class ExpertPolicy:
-    """The environments' experts behind the Policy interface, so expert episodes run through the real agent loop,
-    kernels and tools (log-probs 0). With `then` (a policy), an episode's first `steps` actions are the expert's and
-    the rest `then`'s (chunk-initialization resampling, collect.run_one)."""
-
-    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None,
-                 steps: int = 0):  # fmt: skip
-        self.tasks, self.envs = {t.id: t for t in tasks}, envs
-        self.tokenizer, self.prefill, self.then, self.steps = tokenizer, prefill, then, steps
-        self.calls: dict[str, int] = {}
-
-    async def health(self) -> bool:
-        return True if self.then is None else await self.then.health()
-
-    async def generate(self, input_ids: list[int], sampling: dict):
-        from l0_min.inference import Generation, episode_key
-
-        key = episode_key.get()
-        n = self.calls[key] = self.calls.get(key, -1) + 1
-        if self.then is not None and n >= self.steps:
-            return await self.then.generate(input_ids, sampling)
-        task = self.tasks[key.rsplit("#", 1)[0]]
-        actions = self.envs[task.env].expert(task)
-        action = actions[min(n, len(actions) - 1)]
-        action = action[len(self.prefill):] if self.prefill and action.startswith(self.prefill) else action
-        ids = self.tokenizer.encode(action, add_special_tokens=False)  # the context already ends with the prefill
-        return Generation(ids, [0.0] * len(ids), "stop", "</code>")

@@ -38,7 +38,7 @@ import itertools
 import random
 import re
 
-from l0_min.answers import answer_reward, numbers_equal, split
+from l0_min.answers import answer_reward, numbers_equal
 from l0_min.envs import TaskEnvBase
 from l0_min.episode import Episode, Task
 
@@ -334,17 +334,12 @@ class Files(TaskEnvBase):
     metrics = ("correct",)
     system_prompt, worked_example = SYSTEM_PROMPT, WORKED_EXAMPLE
 
-    def tasks(self, source: str, limit: int | None = None) -> list[Task]:
-        """"synthetic", "synthetic:train" or "synthetic:heldout" (by a hash of the id, as qa.split)."""
-        d, (name, _, part) = self.cfg.data, source.partition(":")
-        if name != "synthetic" or part not in ("", "train", "heldout"):
-            raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
-        tasks = make_tasks(d.synthetic_seed, d.synthetic_tasks)
+    def synthetic(self, seed: int, n: int) -> list[Task]:
+        d = self.cfg.data
+        tasks = make_tasks(seed, n)
         if set(LONG_KINDS) & set(d.synthetic_kinds).union(*(s.kinds for s in d.train + d.eval)):
-            tasks += make_tasks(d.synthetic_seed, d.synthetic_tasks, long=True)  # named by the run: see above
-        if part:
-            tasks = split(tasks, d.synthetic_heldout)[part == "heldout"]
-        return [t for t in tasks if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
+            tasks += make_tasks(seed, n, long=True)  # named by the run: see above
+        return tasks
 
     def files(self, task: Task) -> dict[str, str]:
         return workspace(task.id)

@@ -26,7 +26,7 @@ import re
 from fractions import Fraction
 
 from l0_min import data
-from l0_min.answers import answer_reward, numbers_equal, parse_number, split
+from l0_min.answers import answer_reward, numbers_equal, parse_number
 from l0_min.envs import TaskEnvBase
 from l0_min.episode import Episode, Task
 
@@ -242,6 +242,40 @@ def expert_actions(task: Task) -> list[str] | None:
     return [f"<think>{plan}</think>\n<code>" + "\n".join(code) + "</code>"]
 
 
+# --------------------------------------------------------------------------------- GSM8K files
+BENCHMARKS = {"gsm8k": ("openai/gsm8k", "main/test-00000-of-00001.parquet")}  # name -> (hub dataset repo, file)
+
+
+def load_tasks(spec: str, cfg=None, limit: int | None = None) -> data.Tasks:
+    """GSM8K by name (data.data_dir, $L0_MIN_DATA or the hub), or a file of {question, answer} rows."""
+    spec = "gsm8k" if spec.strip().lower() == "gsm8k" else spec
+    return data.load(spec, BENCHMARKS, parser, cfg, limit)
+
+
+def parser(benchmark: str | None, path):
+    """The row parser of one file: GSM8K's rows (a worked solution ending "#### <number>", the number the gold) where
+    its first row is one, else rows whose answer is a number.
+
+    >>> parser("gsm8k", "x")({"question": "2 + 2?", "answer": "2 + 2 = <<2+2=4>>4\\n#### 4"})
+    ('2 + 2?', ['4'], {'solution': '2 + 2 = <<2+2=4>>4', 'benchmark': 'gsm8k'})
+    """
+    gsm8k = None
+
+    def parse(row: dict) -> tuple[str, list[str], dict]:
+        nonlocal gsm8k
+        q, answer = data.text_field(row, "question"), data.text_field(row, "answer")
+        gsm8k = ("####" in answer) if gsm8k is None else gsm8k
+        solution, mark, gold = answer.rpartition("#### ") if gsm8k else ("", "", answer)
+        if gsm8k and (not mark or not gold.strip()):
+            raise data.RowError("GSM8K layout: field 'answer' must end with '#### <number>' (the gold)")
+        if "####" in solution:
+            raise data.RowError("GSM8K layout: field 'answer' has more than one '####' mark (which one is the gold?)")
+        if parse_number(gold := gold.replace(",", "").strip()) is None:
+            raise data.RowError(f"the gold answer {gold!r} is not a number (env math grades numbers)")
+        return q, [gold], {"solution": solution.rstrip("\n"), "benchmark": benchmark or "gsm8k" * gsm8k or None}
+    return parse
+
+
 # ------------------------------------------------------------------------------- the environment
 
 SYSTEM_PROMPT = """\
@@ -261,21 +295,11 @@ class Math(TaskEnvBase):
     metrics = ("correct",)
     system_prompt, worked_example = SYSTEM_PROMPT, WORKED_EXAMPLE
 
-    def tasks(self, source: str, limit: int | None = None) -> list[Task]:
-        """"synthetic[:train|:heldout]" (the generator above, data.synthetic_*), GSM8K by name, or a file."""
-        d = self.cfg.data
-        if source.split(":")[0] != "synthetic":
-            tasks = data.load_tasks(source, d, limit)
-            if bad := next((t for t in tasks if parse_number(t.answers[0]) is None), None):
-                raise ValueError(f"row {bad.meta.get('row')} ({bad.id}): the gold answer {bad.answers[0]!r} is not a "
-                                 "number (env math grades numbers)")
-            return tasks
-        part = source.split(":", 1)[1] if ":" in source else "all"
-        ts = make_tasks(d.synthetic_seed, d.synthetic_tasks)
-        parts = dict(zip(("train", "heldout"), split(ts, d.synthetic_heldout)), all=ts)
-        if part not in parts:
-            raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
-        return [t for t in parts[part] if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
+    def synthetic(self, seed: int, n: int) -> list[Task]:  # the generator above (data.synthetic_*)
+        return make_tasks(seed, n)
+
+    def load(self, source: str, limit: int | None = None) -> list[Task]:
+        return load_tasks(source, self.cfg.data, limit)
 
     def score(self, ep: Episode) -> dict[str, float]:
         """L0's answer reward with numeric equivalence in place of exact match: 0.9 * correct + 0.1 * answered."""

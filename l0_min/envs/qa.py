@@ -3,7 +3,7 @@ and submits a short answer, scored by exact match (0.9 EM + 0.1 for answering) w
 
     env = make_env(cfg)
     env.tasks("synthetic:train")   # the synthetic world below (data.synthetic_*), or "synthetic:heldout"
-    env.tasks("hotpotqa")          # a benchmark name or a file (l0_min.data: HotpotQA, MuSiQue, NQ, ...)
+    env.tasks("hotpotqa")          # a benchmark name or a file (`load_tasks`: HotpotQA, MuSiQue, NQ, ...)
 
 Search runs over the tasks' own paragraphs (HotpotQA / MuSiQue contexts, the world's pages) unless
 tools.search / tools.corpus say otherwise (l0_min.search).
@@ -33,6 +33,7 @@ are drawn (the first k questions do not depend on n_tasks).
 
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -44,9 +45,10 @@ from pathlib import Path
 from typing import Iterable
 
 from l0_min import data
-from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, split, token_f1
+from l0_min.answers import answer_reward, exact_match, f1_score, has_answer, token_f1
+from l0_min.config import is_number
 from l0_min.envs import TaskEnvBase, settings
-from l0_min.episode import Episode, Task
+from l0_min.episode import Episode, Step, Task
 
 # ---------------------------------------------------------------------------------------- names
 
@@ -139,9 +141,6 @@ class World:
     corpus: list[dict]  # [{id, title, text}]
     tasks: list[Task]
     seed: int = 0
-
-    def split(self, held_out: float = 0.2) -> tuple[list[Task], list[Task]]:
-        return split(self.tasks, held_out)
 
 
 def _date_text(y: int, m: int, d: int) -> str:
@@ -504,7 +503,7 @@ def official_f1(prediction: str | None, golds: Iterable[str]) -> float:
 
 # ------------------------------------- the papers' tables (evaluate.py): official scores, the judge, the layout
 # The papers' columns: L0's judged SimpleQA, then Search-R1's seven in the order its tables print them (a task's
-# meta "benchmark" is the canonical name: l0_min.data.ALIASES maps the other names files give one)
+# meta "benchmark" is the canonical name: ALIASES maps the other names files give one)
 PAPER_ORDER = [("simpleqa", "SimpleQA"), ("nq", "NQ"), ("triviaqa", "TriviaQA"), ("popqa", "PopQA"),
                ("hotpotqa", "HotpotQA"), ("2wikimultihopqa", "2Wiki"), ("musique", "MuSiQue"), ("bamboogle", "Bamboogle")]
 
@@ -530,7 +529,7 @@ def paper_table(summaries: list[dict]) -> str:
     cells: dict[tuple[str, str], dict[str, dict]] = {}
     for s in summaries:
         for bench, m in (s["metrics"].get("sources") or {s["bench"]: s["metrics"]}).items():
-            cells.setdefault((s["model"], s["mode"]), {})[data.benchmark_name(bench, known=False)] = m
+            cells.setdefault((s["model"], s["mode"]), {})[benchmark_name(bench)] = m
     present = {b for row in cells.values() for b in row}
     benches = [(b, name) for b, name in PAPER_ORDER if b in present] + [(b, b) for b in sorted(present - dict(PAPER_ORDER).keys())]
     judged = {b for b, _ in benches if b == "simpleqa" and any(row.get(b, {}).get("judge") for row in cells.values())}
@@ -579,6 +578,169 @@ def judge_prompt(question: str, gold: str | Iterable[str], predicted: str | None
     gold_text = gold if isinstance(gold, str) else " | ".join(gold)
     return JUDGE_PROMPT.format(question=question.strip(), gold=gold_text.strip(),
                                predicted=(predicted or "").strip() or "(no answer)")
+
+
+# --------------------------------------------- benchmark files: the public QA layouts (l0_min.data reads the rows)
+_FLASHRAG = "RUC-NLPIR/FlashRAG_datasets"
+BENCHMARKS = {  # name -> (hub dataset repo, file in it); FlashRAG files are in the `flashrag` layout
+    "simpleqa": ("basicv8vc/SimpleQA", "simple_qa_test_set.csv"), "hotpotqa": (_FLASHRAG, "hotpotqa/dev.jsonl"),
+    "musique": (_FLASHRAG, "musique/dev.jsonl"), "2wikimultihopqa": (_FLASHRAG, "2wikimultihopqa/dev.jsonl"),
+    "bamboogle": (_FLASHRAG, "bamboogle/test.jsonl"), "nq": (_FLASHRAG, "nq/test.jsonl"),
+    "triviaqa": (_FLASHRAG, "triviaqa/test.jsonl"),
+}
+ALIASES = {"2wiki": "2wikimultihopqa", "2wikimqa": "2wikimultihopqa", "nq_open": "nq", "nq-open": "nq",
+           "simple_qa": "simpleqa", "hotpot": "hotpotqa", "hotpot_qa": "hotpotqa", "trivia_qa": "triviaqa",
+           "tq": "triviaqa", "pop_qa": "popqa"}  # other names files give a benchmark (Search-R1's data_source)
+
+
+def benchmark_name(name: str) -> str:
+    """The canonical name of a benchmark: "2wiki" -> "2wikimultihopqa"."""
+    return ALIASES.get(name.strip().lower(), name.strip().lower())
+
+
+def load_tasks(spec: str, cfg=None, limit: int | None = None) -> data.Tasks:
+    """QA tasks of a benchmark name (BENCHMARKS; data.data_dir, $L0_MIN_DATA or the hub) or a file of any layout
+    `detect_layout` knows: simpleqa, qa (HotpotQA, 2Wiki), musique, csv_qa (Bamboogle), answers (NQ-open),
+    triviaqa, flashrag. Aliases joined with `<|answer_split|>` are split; a row's `data_source` becomes its
+    `meta["benchmark"]` (canonical: ALIASES)."""
+    spec = spec if Path(spec.strip()).is_file() else benchmark_name(spec)
+    return data.load(spec, BENCHMARKS, parser, cfg, limit)
+
+
+def detect_layout(row: dict) -> str:
+    """The layout of a row, from its fields.
+
+    >>> detect_layout({"question": "q", "golden_answers": ["a"]})
+    'flashrag'
+    >>> detect_layout({"Question": "q", "Answer": "a"}), detect_layout({"id": "d1", "title": "T", "text": "x"})
+    ('csv_qa', 'corpus')
+    """
+    keys = set(row)
+    if "question" not in keys and ({"title", "text"} <= keys or keys & {"contents", "wikipedia_title"}):
+        return "corpus"
+    if "golden_answers" in keys:
+        return "flashrag"
+    if {"problem", "answer"} <= keys:
+        return "simpleqa"
+    if isinstance(row.get("answer"), str) and "\n#### " in row["answer"]:
+        return "gsm8k"
+    if "paragraphs" in keys or "answer_aliases" in keys:
+        return "musique"
+    if isinstance(row.get("Answer"), dict) or isinstance(row.get("answer"), dict):
+        return "triviaqa"
+    if {"Question", "Answer"} <= keys:
+        return "csv_qa"
+    if "question" in keys and (isinstance(row.get("answer"), list) or isinstance(row.get("answers"), list)):
+        return "answers"
+    if {"question", "answer"} <= keys:
+        return "qa"
+    raise data.RowError(f"unknown layout, fields: {sorted(keys)[:12]}")
+
+
+def _alias_list(v, key: str) -> list[str]:
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list):
+        raise data.RowError(f"field '{key}' must be a list of strings, got {type(v).__name__}")
+    if bad := [a for a in v if not (isinstance(a, str) or is_number(a))]:
+        raise data.RowError(f"field '{key}' has a non-string answer {bad[0]!r}")
+    return [str(a).strip() for a in v]
+
+
+def split_answers(answers: list[str]) -> list[str]:
+    """Aliases joined with "<|answer_split|>" split apart, blanks and exact repeats dropped (scores take
+    the best alias, so spellings that normalise alike may stay).
+
+    >>> split_answers(["Tokyo<|answer_split|> Tokio", "", "Tokyo", "tokyo"])
+    ['Tokyo', 'Tokio', 'tokyo']
+    """
+    return list(dict.fromkeys(p.strip() for a in answers for p in a.split("<|answer_split|>") if p.strip()))
+
+
+def _context(v) -> list[list]:
+    """HotpotQA context as [[title, [sentences]]], from the release form or HF's {title, sentences}."""
+    if isinstance(v, dict) and "title" in v and "sentences" in v:
+        v = [[t, s] for t, s in zip(v["title"], v["sentences"])]
+    if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 and isinstance(p[0], str)
+                                          and isinstance(p[1], list) for p in v):
+        raise data.RowError("field 'context' must be [[title, [sentences]], ...]")
+    return [[t, [str(s) for s in sents]] for t, sents in v]
+
+
+def _paragraphs(v) -> list[dict]:
+    if not isinstance(v, list) or not all(isinstance(p, dict) and "title" in p and "paragraph_text" in p for p in v):
+        raise data.RowError("field 'paragraphs' must be a list of {title, paragraph_text, ...}")
+    return v
+
+
+def parser(benchmark: str | None, path):
+    """The row parser of one file (data.load_file): the first row's layout is the file's."""
+    layout = None
+
+    def parse(row: dict) -> tuple[str, list[str], dict]:
+        nonlocal layout
+        layout = layout or detect_layout(row)
+        if layout in ("corpus", "gsm8k"):
+            raise data.DataError(f"a corpus (documents with a title and text), not questions: pass it as tools.corpus="
+                                 f"{path}" if layout == "corpus" else "a GSM8K file: the math environment reads it (env math, "
+                                 "evaluate.py --env math)")  # fmt: skip
+        q, answers, meta = _parse(layout, row)
+        meta["benchmark"] = benchmark_name(str(row.get("data_source") or benchmark or layout))
+        return q, answers, meta
+    return parse
+
+
+def _parse(layout: str, row: dict) -> tuple[str, list[str], dict]:
+    """(question, answers, meta) of one row of a layout."""
+    text, meta = data.text_field, {}
+    if layout == "simpleqa":
+        q, answers = text(row, "problem"), [text(row, "answer")]
+        md = row.get("metadata") or None
+        if isinstance(md, str) and md.strip():
+            try:
+                md = ast.literal_eval(md)
+            except (ValueError, SyntaxError):
+                raise data.RowError("field 'metadata' is not a Python-literal dict") from None
+        if md is not None and not isinstance(md, dict):
+            raise data.RowError(f"field 'metadata' must be a dict, got {type(md).__name__}")
+        meta.update(md or {})
+    elif layout == "qa":
+        q, answers = text(row, "question"), [text(row, "answer")]
+        meta.update({k: row[k] for k in ("type", "level", "supporting_facts", "evidences") if k in row})
+        if row.get("context"):
+            meta["context"] = _context(row["context"])
+    elif layout == "musique":
+        q = text(row, "question")
+        answers = [text(row, "answer")] + _alias_list(row.get("answer_aliases") or [], "answer_aliases")
+        meta["paragraphs"] = _paragraphs(row.get("paragraphs") or [])
+        meta.update({k: row[k] for k in ("answerable", "question_decomposition") if k in row})
+    elif layout == "csv_qa":
+        q, answers = text(row, "Question"), [text(row, "Answer")]
+    elif layout == "answers":
+        q = text(row, "question")
+        key = "answer" if "answer" in row else "answers"
+        answers = _alias_list(row[key], key)
+    elif layout == "triviaqa":
+        qk, ak = ("Question", "Answer") if "Question" in row else ("question", "answer")
+        q, a = text(row, qk), row[ak]
+        low = {k.lower(): v for k, v in a.items()}
+        value = low.get("value")
+        if not isinstance(value, str) or not value.strip():
+            raise data.RowError(f"field '{ak}' has no 'Value'")
+        # (NormalizedAliases are the same aliases, normalised)
+        answers = [value] + _alias_list(low.get("aliases") or [], f"{ak}.Aliases")
+    elif layout == "flashrag":
+        q, answers = text(row, "question"), _alias_list(row["golden_answers"], "golden_answers")
+        md = row.get("metadata") or {}
+        if isinstance(md, dict):
+            meta.update(md)
+            if md.get("context"):
+                meta["context"] = _context(md["context"])
+            if md.get("paragraphs"):
+                meta["paragraphs"] = _paragraphs(md["paragraphs"])
+    if not (answers := split_answers(answers)):
+        raise data.RowError("no non-empty answer")
+    return q, answers, meta
 
 
 # ----------------------------------------------- corpora: what web_search / read_page search
@@ -646,36 +808,105 @@ def load_corpus(path: str | Path, passage_words: int = 100) -> list[dict]:
             if isinstance(row, Exception):
                 raise row
             if not isinstance(row, dict):
-                raise data._RowError(f"expected an object, got {type(row).__name__}")
-            rid = data._row_id(row) or f"{stem}:{i}"
+                raise data.RowError(f"expected an object, got {type(row).__name__}")
+            rid = data.row_id(row) or f"{stem}:{i}"
             if "contents" in row:
                 if not isinstance(row["contents"], str):
-                    raise data._RowError("field 'contents' must be a string")
+                    raise data.RowError("field 'contents' must be a string")
                 first, _, text = row["contents"].partition("\n")
                 new = [(rid, first.strip().strip('"'), text.strip())]
             elif "wikipedia_title" in row:
                 if not isinstance(row.get("text"), list):
-                    raise data._RowError("KILT row: field 'text' must be a list of paragraphs")
-                title = data._text(row, "wikipedia_title")
+                    raise data.RowError("KILT row: field 'text' must be a list of paragraphs")
+                title = data.text_field(row, "wikipedia_title")
                 base = str(row.get("wikipedia_id") or title)
                 passages = kilt_passages(title, row["text"], passage_words)
                 new = [(f"{base}#{k}", title, t) for k, t in enumerate(passages)]
             elif "text" in row and "title" in row:
                 if not isinstance(row["text"], str) or not isinstance(row["title"], str):
-                    raise data._RowError("fields 'title' and 'text' must be strings")
+                    raise data.RowError("fields 'title' and 'text' must be strings")
                 new = [(rid, row["title"].strip(), row["text"].strip())]
             else:
-                raise data._RowError(f"not a corpus row ({{id, title, text}}, KILT or wiki-18); fields: {sorted(row)[:12]}")
+                raise data.RowError(f"not a corpus row ({{id, title, text}}, KILT or wiki-18); fields: {sorted(row)[:12]}")
             for did, title, text in new:
                 if did in seen:
-                    raise data._RowError(f"duplicate document id {did!r} (first at row {seen[did]})")
+                    raise data.RowError(f"duplicate document id {did!r} (first at row {seen[did]})")
                 seen[did] = i
                 docs.append({"id": did, "title": title, "text": text})
-        except data._RowError as e:
+        except data.RowError as e:
             raise data.DataError(f"{path}: row {i}: {e}") from None
     if not docs:
         raise data.DataError(f"{path}: no documents")
     return docs
+
+
+# ------------------------- step rewards (reward.step_weight): information gain over the gold chain, per-hop metrics
+REDUNDANT = 0.1  # the cost of a step whose tools served nothing new (StepSearch's redundancy penalty)
+
+
+def chain_seen(ep: Episode, snippet_chars: int) -> list[list[float]] | None:
+    """How much of each page of a world task's gold chain (meta["support"], in order) the host's tools had served by
+    the end of each step: 1 once the facts the task needs from it were served (a read_page of it, or a search
+    snippet, its first `snippet_chars` characters, holding its evidence sentences), 0.5 while a search only listed
+    it (its ref: the way to it). Read from what the tool server recorded (Step.served), never from what the agent
+    printed, which could name any page. None for a task without a world chain."""
+    m = ep.task.meta
+    if m.get("source") != "world" or "support" not in m:
+        return None
+    docs, chain = _docs(m["seed"], m["n_entities"]), m["support"]
+    whole = {p: all(t in docs[p]["text"][:snippet_chars] for q, t in m["evidence"] if q == p) for p in chain}
+    by_title, seen, out = {docs[p]["title"]: p for p in chain}, dict.fromkeys(chain, 0.0), []
+    for step in ep.steps:
+        for tool, page in step.served:
+            if tool == "web_search" and page in seen:
+                seen[page] = max(seen[page], 1.0 if whole[page] else 0.5)
+            elif tool == "read_page" and page in by_title:
+                seen[by_title[page]] = 1.0
+        out.append([seen[p] for p in chain])
+    return out
+
+
+def info_gain(ep: Episode, snippet_chars: int, redundant: float = REDUNDANT) -> list[float]:
+    """QA's step rewards, StepSearch's two terms over the gold chain: a step earns the share of the chain it first
+    brought into view (`chain_seen`: 1 / |chain| a page, half of it for a page only listed), paid only where the
+    episode submitted an answer (as StepSearch pays no step score without one: reading and never answering earns
+    nothing); a step whose tools served nothing new (a repeated query, a page read again) costs `redundant`,
+    answered or not. Gains sum to at most 1 an episode. 0 a step for a task without a world chain.
+
+    >>> t = next(t for t in make_world(0, 30).tasks if t.meta["template"] == "older_org")
+    >>> t.meta["support"]
+    ['stotrem-museum-of-art', 'stefu-glassworks']
+    >>> search, read = ("web_search", "stotrem-museum-of-art"), ("read_page", "Stotrem Museum of Art")
+    >>> steps = [Step([], [], [], served=s) for s in ([search], [read], [read], [], [("read_page", "Stefu Glassworks")])]
+    >>> info_gain(Episode(t, steps, final_answer="Stefu Glassworks"), snippet_chars=40)
+    [0.25, 0.25, -0.1, 0.0, 0.5]
+    >>> info_gain(Episode(t, steps, final_answer=None), snippet_chars=40)
+    [0.0, 0.0, -0.1, 0.0, 0.0]
+    """
+    seen = chain_seen(ep, snippet_chars)
+    if seen is None:
+        return [0.0] * len(ep.steps)
+    pay, before, served, out = has_answer(ep.final_answer) / len(ep.task.meta["support"]), [0.0], set(), []
+    for step, now in zip(ep.steps, seen):
+        new = {tuple(x) for x in step.served} - served
+        out.append(round(pay * (sum(now) - sum(before)) - redundant * bool(step.served and not new), 12))
+        served, before = served | new, now
+    return out
+
+
+def hop_metrics(ep: Episode, snippet_chars: int) -> dict[str, float]:
+    """Per-hop success of a world task (none for another): "hop<k>" 1 where the k-th page of the chain had its facts
+    served (`chain_seen`); "ref_missed" 1 where a read_page found no page (a mistyped ref), "ref_recovered" 1
+    where a page was read after that."""
+    if (seen := chain_seen(ep, snippet_chars)) is None:
+        return {}
+    reads = [page for s in ep.steps for tool, page in s.served if tool == "read_page"]
+    docs = _docs(ep.task.meta["seed"], ep.task.meta["n_entities"])
+    titles = {d["title"] for d in docs.values()}
+    miss = next((i for i, page in enumerate(reads) if page not in titles), None)
+    last = seen[-1] if seen else [0.0] * len(ep.task.meta["support"])
+    return {**{f"hop{k}": float(v == 1.0) for k, v in enumerate(last, 1)}, "ref_missed": float(miss is not None),
+            "ref_recovered": float(miss is not None and any(page in titles for page in reads[miss + 1:]))}
 
 
 # ------------------------------------------------------------------------------- the environment
@@ -729,27 +960,25 @@ class QA(TaskEnvBase):
         if self.settings.answer_metric not in ("em", "f1"):
             raise ValueError(f"envs.qa.answer_metric must be 'em' or 'f1', got {self.settings.answer_metric!r}")
 
-    def tasks(self, source: str, limit: int | None = None) -> list[Task]:
-        """"synthetic[:train|:heldout]" (the world of data.synthetic_* and envs.qa.entities), a benchmark name or a
-        file."""
-        d = self.cfg.data
-        if source.split(":")[0] != "synthetic":
-            return data.load_tasks(source, d, limit)
-        part = source.split(":", 1)[1] if ":" in source else "all"
-        w = make_world(d.synthetic_seed, self.settings.entities, d.synthetic_tasks)
-        parts = dict(zip(("train", "heldout"), split(w.tasks, d.synthetic_heldout)), all=w.tasks)
-        if part not in parts:
-            raise ValueError(f"expected synthetic, synthetic:train or synthetic:heldout, got {source!r}")
-        return [t for t in parts[part] if not d.synthetic_kinds or t.meta["kind"] in d.synthetic_kinds][:limit]
+    def synthetic(self, seed: int, n: int) -> list[Task]:  # the world of data.synthetic_* and envs.qa.entities
+        return make_world(seed, self.settings.entities, n).tasks
+
+    def load(self, source: str, limit: int | None = None) -> list[Task]:  # a benchmark name or a file
+        return load_tasks(source, self.cfg.data, limit)
 
     def score(self, ep: Episode) -> dict[str, float]:
         """L0's answer reward (0.9 * EM + 0.1 * answered; envs.qa.answer_metric "f1" puts F1 in place of EM), with
-        the official EM / F1 of the papers' tables beside the training reward's Unicode-aware ones."""
+        the official EM / F1 of the papers' tables beside the training reward's Unicode-aware ones, and a world task's
+        per-hop metrics (`hop_metrics`)."""
         r, pred, golds = self.cfg.reward, ep.final_answer, ep.task.answers
         em, f1 = exact_match(pred, golds), f1_score(pred, golds)
         core = answer_reward(pred, f1 if self.settings.answer_metric == "f1" else em, r.em_weight, r.has_answer_weight)
         return {"core": core, "em": em, "f1": f1, "has_answer": float(has_answer(pred)),
-                "official_em": official_em(pred, golds), "official_f1": official_f1(pred, golds)}
+                "official_em": official_em(pred, golds), "official_f1": official_f1(pred, golds),
+                **hop_metrics(ep, self.cfg.tools.snippet_chars)}
+
+    def step_rewards(self, ep: Episode) -> list[float]:
+        return info_gain(ep, self.cfg.tools.snippet_chars)
 
     def judge_prompt(self, question: str, golds: list[str], prediction: str | None) -> str:
         return judge_prompt(question, golds, prediction)

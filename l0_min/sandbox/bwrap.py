@@ -1,4 +1,4 @@
-"""The bubblewrap sandbox of one kernel: what it can see and what it can do (README "The sandbox" has the whole map).
+"""The bubblewrap sandbox of one kernel: what it can see and what it can do (docs/internals.md, "The sandbox").
 
 A kernel starts as `sh -c '<oom_score_adj 1000, join its cgroups> exec bwrap --args 3 ...' -- prlimit <limits> --
 [setpriv <uid>] -- python -m l0_toolbox.boot -f /run/l0/conn.json`; bwrap reads its options, the seccomp filter and
@@ -28,7 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from l0_min.config import SandboxConfig
+from l0_min.config import SandboxConfig, is_number
 from l0_min.sandbox import cgroup
 
 log = logging.getLogger(__name__)
@@ -63,7 +63,7 @@ def check(cfg: SandboxConfig) -> None:
     for name in ("memory_mb", "total_memory_mb", "max_procs", "file_size_mb", "open_files", "cpu_seconds",
                  "workspace_mb", "tmp_mb", "uid_base", "uid_slots"):  # fmt: skip
         v = getattr(cfg, name)
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        if not is_number(v, integer=True) or v <= 0:
             raise ValueError(f"sandbox.{name} must be a positive integer, got {v!r}")
     for name in cfg.env_whitelist:
         if not name.isidentifier():

@@ -7,13 +7,11 @@ a child of this process's own: cgroup v2 where memory and pids are enabled for t
 logs it). The sandbox's launcher shell joins them before it execs bwrap (bwrap.command): children stay where born.
 
 All sandboxes together get SHARE of the memory available at start-up. The OOM killer ranks by resident memory, which
-memfds and tmpfs files are not, so at that limit it would take a small sandbox for a big one: the host chooses.
-`watch` reads every PERIOD s what each sandbox holds (all its cgroup is charged but disk cache, kernel objects included,
-or its processes' PSS, its tmpfs files and INODE each), each in a thread (a slow read delays only its own; one costing
-over SLOW s of CPU kills it). Past HIGH of the share (v1: the OOM killer is off at the shared limit, v2: memory.high
-throttles) it kills, as its own doing, one holding half the share, else the one that grew the most in the last second
-(oomd's size-or-growth rule); and, where no cgroup charges it, one past its own limit (then memfds and SysV shm are
-refused: bwrap.seccomp_filter).
+memfds and tmpfs files are not: the host chooses. `watch` reads every PERIOD s, each in a thread (one costing over SLOW
+s of CPU kills it), what each sandbox holds (`held`, or `pss`). Past HIGH of the share (v1: the OOM killer is off at the
+shared limit, v2: memory.high throttles) it kills, as its own doing, one holding half the share, else the one that grew
+the most in the last second (oomd's size-or-growth rule), and without a cgroup one past its own limit (memfds and SysV
+shm are refused then: bwrap).
 """
 
 from __future__ import annotations
@@ -27,12 +25,10 @@ import logging
 import os
 import re
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 log = logging.getLogger(__name__)
 SHARE, HIGH, PERIOD = 0.75, 0.9, 0.25  # all sandboxes' part of the memory at start-up; the watch: where, how often
 SLOW, INODE = 0.25, 1 << 10  # the CPU seconds one look at a sandbox may cost (~1.3M mappings); a tmpfs file's bytes
-_readers = ThreadPoolExecutor(32, thread_name_prefix="l0_min-watch")
 
 
 def _read(path: str) -> str:
@@ -161,13 +157,11 @@ class Cgroup:
         return "" if not kills else "limit" if at_limit else "all" if all_at_limit else "host"
 
     def held(self) -> int:
-        """Bytes the sandbox holds that the kernel cannot reclaim: all it is charged but the page cache of files on disk
-        (anonymous memory, memfds and tmpfs files, kernel objects: an inode flood's inodes and dentries)."""
+        """Bytes the sandbox holds that the kernel cannot reclaim: all it is charged but the cache of files on disk."""
         with contextlib.suppress(OSError, LookupError, ValueError):  # removed (no dirs left, or its files gone): gone
-            d, v2 = self.dirs[0], self.version == 2
+            d, (used, cache) = self.dirs[0], ("current", "file") if self.version == 2 else ("usage_in_bytes", "cache")
             stat = dict(line.split() for line in _read(f"{d}/memory.stat").splitlines())
-            used = int(_read(f"{d}/memory.{'current' if v2 else 'usage_in_bytes'}"))
-            return used - int(stat["file" if v2 else "cache"]) + int(stat["shmem"])  # shmem is cache too
+            return int(_read(f"{d}/memory.{used}")) - int(stat[cache]) + int(stat["shmem"])  # shmem is cache too
         return 0
 
     async def remove(self) -> None:
@@ -196,15 +190,13 @@ def pss(pid: int, mounts: tuple[str, ...] = ()) -> int:
             kids = (_read(f"/proc/{p}/task/{t}/children").split() for t in os.listdir(f"/proc/{p}/task"))
             todo += [int(c) for some in kids for c in some]
             total += int(_read(f"/proc/{p}/smaps_rollup").split("\nPss:")[1].split()[0]) << 10
-    for m in mounts:  # pages no process maps, and kernel memory: an inode flood's is ~0.94 KiB a file
-        with contextlib.suppress(OSError):
-            s = os.statvfs(f"/proc/{pid}/root{m}")
-            total += (s.f_blocks - s.f_bfree) * s.f_frsize + (s.f_files - s.f_ffree) * INODE
+    with contextlib.suppress(OSError):  # pages no process maps, and kernel memory: an inode flood's is ~0.94 KiB a file
+        total += sum((s.f_blocks - s.f_bfree) * s.f_frsize + (s.f_files - s.f_ffree) * INODE
+                     for s in (os.statvfs(f"/proc/{pid}/root{m}") for m in mounts))
     return total
 
 
-def oom_kills() -> int:
-    """The host's OOM kills since boot (/proc/vmstat, Linux 4.13+; 0 where it does not say)."""
+def oom_kills() -> int:  # the host's OOM kills since boot (/proc/vmstat, Linux 4.13+; 0 where it does not say)
     return int(m[1]) if (m := re.search(r"\boom_kill (\d+)", _read("/proc/vmstat"))) else 0
 
 
@@ -227,10 +219,9 @@ def unwatch(key, why: str = "") -> None:
 
 
 async def _watch() -> None:
-    share = int(available_mb() * SHARE)  # the limit of the shared cgroup, where there is one
-    loop, held, reads, past = asyncio.get_running_loop(), {}, {}, [{}]  # past: what they held a second ago, and since
+    share, loop, held, reads, past = int(available_mb() * SHARE), asyncio.get_running_loop(), {}, {}, [{}]  # past: 1 s
     while _watched:  # one read per sandbox at a time, each in a thread (a slow one delays its own), timed in its CPU
-        reads |= {key: loop.run_in_executor(_readers, lambda r=read: (time.thread_time(), r(), time.thread_time()))
+        reads |= {key: loop.run_in_executor(None, lambda r=read: (time.thread_time(), r(), time.thread_time()))
                   for key, (read, _, _) in _watched.items() if key not in reads}
         await asyncio.wait(reads.values(), timeout=PERIOD)
         for key in [key for key, f in reads.items() if f.done()]:

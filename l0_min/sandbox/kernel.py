@@ -7,7 +7,7 @@
 
 `execute` never raises for problems of the code it runs: errors, timeouts and a dead kernel are fields of the
 result, a death the agent's own doing (`crashed`) unless the host caused it (`death`). What a kernel sends is
-hostile and bounded before it becomes Python objects (README "Inside the loop" has the protocol and the bounds).
+hostile and bounded before it becomes Python objects (docs/internals.md "Inside the loop": protocol, bounds).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import zmq.asyncio
 from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpec
 
-from l0_min.config import KernelConfig, SandboxConfig
+from l0_min.config import KernelConfig, SandboxConfig, is_number
 from l0_min.context import valid_text
 from l0_min.sandbox import bwrap as sb
 from l0_min.sandbox import cgroup
@@ -53,7 +53,6 @@ KERNEL_ARGS = ["--HistoryManager.enabled=False", "--InteractiveShell.colors=noco
 MAX_FRAME = 2 << 20
 MAX_FRAMES = 8  # a topic or identity, the delimiter, the signature, header, parent, metadata, content, one spare
 CELL_BYTES, CELL_MESSAGES = 64 << 20, 20_000  # from one request to the next, so between cells too
-VALUES = 10_000  # JSON values of a content (a few dozen): json.loads spent 190 ms on a 2 MiB frame of '[], '
 WANTED = {"shell": {"execute_reply"},
           "iopub": {"stream", "execute_result", "display_data", "update_display_data", "error", "status"}}
 
@@ -179,8 +178,7 @@ def check(kcfg: KernelConfig) -> None:
         ("max_starting", True, 0, False),
     ]:  # fmt: skip
         v = getattr(kcfg, name)
-        typed = isinstance(v, int if integer else (int, float)) and not isinstance(v, bool)
-        if not typed or v < least or strict and v == least or name == "max_output_chars" and v > 100_000:
+        if not is_number(v, integer) or v < least or strict and v == least or name == "max_output_chars" and v > 100_000:
             want = f"{'an integer' if integer else 'a number'} {'>' if strict else '>='} {least}"
             raise ValueError(f"kernel.{name} must be {want}{' and <= 100,000' * (name == 'max_output_chars')}, got {v!r}")
 
@@ -200,8 +198,8 @@ class Kernel:
         self._pidfd = -1
         self._log = bytearray()  # last 8 KiB of the kernel's stdout/stderr
         self._uid: sb.UidLease | None = None  # root hosts: the sandbox's own uid
-        self._cgroup: cgroup.Cgroup | None = None
-        self._ooms = cgroup.oom_kills()  # the host's so far: without a cgroup, death() tells the OOM killer's SIGKILL
+        self._cgroup: cgroup.Cgroup | None = None  # and the host's OOM kills so far (without one, death() reads them)
+        self._ooms = cgroup.oom_kills()
         self._sockets: list[int] = []  # O_PATH fds of the kernel's ipc sockets (zmq connects through them)
         self._killed_for = ""  # why the host killed it (a cell that ignored the interrupt)
         self._lock, self._closed = asyncio.Lock(), False
@@ -403,8 +401,7 @@ class Kernel:
             await self._kill_for(f"it broke its connection to the host: {str(e)[:300] or type(e).__name__}")
 
     def _receive(self, first: zmq.Frame, raw: zmq.Socket, wanted: set[str]) -> tuple[dict | None, int]:
-        """One message (None unless the request waited for wants it) and its size, counted for the cell. Its JSON is
-        parsed, with no date extraction, only if its parent's bytes name that request, and only within VALUES."""
+        """One message (None unless the request waited for wants it) and its size, counted for the cell."""
         frames = [first]
         while frames[-1].more:  # zmq delivers a message whole: its other frames are there
             if len(frames) == MAX_FRAMES:
@@ -415,18 +412,17 @@ class Kernel:
         self._cell[1] += 1
         if self._cell[0] > CELL_BYTES or self._cell[1] > CELL_MESSAGES:
             raise ValueError(f"more than {CELL_BYTES >> 20} MB or {CELL_MESSAGES:,} messages in one cell")
-        session = self._kc.session  # no signature check: the key is the sandbox's, and only it reaches these sockets
-        parts = session.feed_identities(frames, copy=False)[1]
+        parts = (session := self._kc.session).feed_identities(frames, copy=False)[1]  # no signature: the key is its own
         _, header, parent, _, content = (f.bytes for f in parts[:5])
-        if self._want.encode() not in parent:
-            return None, size  # another request's: not parsed
+        if self._want.encode() not in parent:  # another request's: not parsed (nor dates extracted, nor past a budget)
+            return None, size
         header, parent = (session.unpack(_bounded(b, 100)) for b in (header, parent))
         if parent.get("msg_id") != self._want or header["msg_type"] not in wanted or len(parts) > 5:
             return None, size  # a kind no one reads (comm_msg ...), or with binary buffers
-        content = session.unpack(_bounded(content, VALUES))  # json: nesting past the recursion limit raises
+        content = session.unpack(_bounded(content, 10_000))  # a few dozen in any the toolbox sends; nesting raises
         if not isinstance(content, dict):
             raise ValueError(f"a {header['msg_type']} message whose content is not an object")
-        return {"msg_type": header["msg_type"], "parent_header": parent, "content": content}, size
+        return {"msg_type": header["msg_type"], "content": content}, size
 
     def _expect(self, msg_id: str) -> None:
         """A request was sent: its messages are kept from now on, and its cell's budget starts."""
@@ -435,18 +431,15 @@ class Kernel:
             while not queue.empty():
                 queue.get_nowait()
 
-    async def _answer(self, channel: str, msg_id: str, deadline: float) -> dict:
-        """The next message on `channel` (iopub, shell) that answers `msg_id`."""
-        while True:
-            msg = await self._until_exit(self._inbox[channel].get(), max(0.0, deadline - time.monotonic()))
-            if msg["parent_header"].get("msg_id") == msg_id:
-                return msg
+    async def _answer(self, channel: str, deadline: float) -> dict:
+        """The next message on `channel` (iopub, shell): one of the request waited for (`_receive` keeps no other)."""
+        return await self._until_exit(self._inbox[channel].get(), max(0.0, deadline - time.monotonic()))
 
     async def _request(self, code: str, *, timeout: float, **kw) -> dict:
         """Run `code` and return the execute_reply content (its iopub messages are not read)."""
         msg_id = self._kc.execute(code, allow_stdin=False, store_history=False, **kw)
         self._expect(msg_id)
-        return (await self._answer("shell", msg_id, time.monotonic() + timeout))["content"]
+        return (await self._answer("shell", time.monotonic() + timeout))["content"]
 
     async def execute(self, code: str, timeout: float | None = None) -> ExecResult:
         """Run one cell. Errors, a timeout and a dead kernel are reported in the result."""
@@ -471,11 +464,11 @@ class Kernel:
     async def _run(self, code: str, out: "_Output", deadline: float) -> None:
         msg_id = self._kc.execute(code, allow_stdin=False, stop_on_error=False)
         self._expect(msg_id)
-        if not await self._collect(msg_id, out, deadline):
+        if not await self._collect(out, deadline):
             out.r.timed_out = True
             await self._km.interrupt_kernel()
             self._km._close_control_socket()  # zmq still delivers the request (linger)
-            if not await self._collect(msg_id, out, time.monotonic() + self.kcfg.interrupt_grace):
+            if not await self._collect(out, time.monotonic() + self.kcfg.interrupt_grace):
                 await self._kill_for(f"its cell ignored an interrupt for {self.kcfg.interrupt_grace:g} s")
 
     async def _kill_for(self, reason: str) -> None:
@@ -499,14 +492,14 @@ class Kernel:
             return f"killed from outside the sandbox {how}", False
         return f"it exited with status {code}" + (f" (signal {code - 128})" if code and code > 128 else ""), True
 
-    async def _collect(self, msg_id: str, out: "_Output", deadline: float) -> bool:
+    async def _collect(self, out: "_Output", deadline: float) -> bool:
         """Read this cell's messages until it is idle and replied, or the kernel is gone; False at the deadline."""
         try:
             with contextlib.suppress(KernelDied):
                 while not out.idle:
-                    out.add(await self._answer("iopub", msg_id, deadline))
+                    out.add(await self._answer("iopub", deadline))
                 while not out.replied:
-                    out.add_reply((await self._answer("shell", msg_id, deadline))["content"])
+                    out.add_reply((await self._answer("shell", deadline))["content"])
         except asyncio.TimeoutError:
             return False
         return True
@@ -607,12 +600,11 @@ def _str(v) -> str:
 
 
 def _bounded(frame: bytes, limit: int) -> bytes:
-    """`frame` if its JSON holds at most `limit` values, else a ValueError; counted without parsing: its strings (quotes
-    not escaped) and the commas and brackets outside them, an upper bound on json.loads's work over any valid prefix."""
-    plain = frame.replace(b"\\\\", b"")
-    strings = (plain.count(b'"') - plain.count(b'\\"')) // 2
-    outside = b"".join(plain.replace(b'\\"', b"").split(b'"')[::2]) if strings <= limit else b""
-    if strings + sum(outside.count(c) for c in b",[{") > limit:
+    """`frame` if its JSON holds at most `limit` values (its strings, commas and brackets outside them: a bound on
+    json.loads's work over any valid prefix, counted unparsed), else a ValueError."""
+    plain = frame.replace(b"\\\\", b"").replace(b'\\"', b"")  # no escapes: each quote left opens or closes a string
+    n = plain.count(b'"') // 2
+    if n > limit or n + sum(b"".join(plain.split(b'"')[::2]).count(c) for c in b",[{") > limit:
         raise ValueError(f"a message frame of more than {limit:,} JSON values")
     return frame
 

@@ -5,12 +5,13 @@
     path = server.open_episode(kernel.id)     # the kernel's sandbox binds this socket (and only it)
     server.allow(kernel.id, ("web_search",))  # the task's search tools (default: all; submit_final_answer always)
     server.final_answer(kernel.id)            # recorded when the call arrived; None if none
+    server.served(kernel.id)                  # what its tools served: (tool, page) pairs, for the env's step rewards
     server.close_episode(kernel.id)
 
-The socket a request arrives on names its episode; printed text is never parsed for answers. Every request and call
-is bounded (connections, rate, sizes, time), and an episode's backend calls take turns in its own line, so one
-episode's searches delay only itself (README "Inside the loop" has the bounds). A call that fails is the backend's
-failure (`backend_errors`: retried, then masked) only if PROBE, a request no agent chose, fails too; else the agent's.
+The socket a request arrives on names its episode; printed text is never parsed for answers. Every request and call is
+bounded (connections, rate, sizes, time), and an episode's backend calls take turns in its own line, so one episode's
+searches delay only itself (docs/internals.md "Inside the loop" has the bounds). A call that fails is the backend's
+failure (`backend_errors`: retried, then masked) only if PROBE, a request no agent chose, fails too.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections import Counter, OrderedDict
 
 from aiohttp import web
 
+from l0_min.config import is_number
 from l0_min.context import valid_text
 
 log = logging.getLogger(__name__)
@@ -42,6 +44,7 @@ class ToolServer:
     backend_calls = 1  # per episode at the backend at once; its other calls wait in its own line
     max_arg_chars = 2000  # a query, a ref, an answer
     max_request_bytes = 64 << 10  # 3 such arguments, JSON-escaped at up to 6 bytes a character, fit
+    max_served = 1000  # (tool, page) records kept per episode
 
     def __init__(self, backend=None, *, timeout: float = 20.0, snippet_chars: int = 300, page_chars: int = 4000,
                  top_k: int = 3, keep_closed: int = 10000):  # fmt: skip
@@ -54,6 +57,7 @@ class ToolServer:
         self._answers: dict[str, str] = {}
         self._allowed: dict[str, tuple[str, ...]] = {}  # key -> the search tools its task may call
         self._calls: dict[str, Counter] = {}
+        self._served: dict[str, list[tuple[str, str]]] = {}  # key -> (tool, search hit's id | read page's first line)
         self._errors: dict[str, list[str]] = {}  # backend failures (timeouts, exceptions) per episode
         self._closed_keys: OrderedDict[str, None] = OrderedDict()  # closed episodes, oldest first
         self._pending: set[asyncio.Task] = set()
@@ -91,7 +95,7 @@ class ToolServer:
         sock.setblocking(False)
         bucket, line = [self.calls_per_second, time.monotonic()], asyncio.Semaphore(self.backend_calls)
         self._sites[key], self._by_path[path] = (path, sock, set(), bucket, line), key
-        self._calls[key] = Counter()
+        self._calls[key], self._served[key] = Counter(), []
         asyncio.get_running_loop().add_reader(sock, self._accept, key)
         return path
 
@@ -146,7 +150,7 @@ class ToolServer:
         self._closed_keys[key] = None
         while len(self._closed_keys) > self.keep_closed:
             old, _ = self._closed_keys.popitem(last=False)
-            for records in (self._answers, self._calls, self._errors, self._allowed):
+            for records in (self._answers, self._calls, self._errors, self._allowed, self._served):
                 records.pop(old, None)
 
     def allow(self, key: str, tools: tuple[str, ...]) -> None:
@@ -158,6 +162,10 @@ class ToolServer:
 
     def tool_calls(self, key: str) -> dict[str, int]:
         return dict(self._calls.get(key, {}))
+
+    def served(self, key: str) -> list[tuple[str, str]]:
+        """What the episode's tools served, in order: ("web_search", a hit's id), ("read_page", the text's first line)."""
+        return list(self._served.get(key, ()))
 
     def backend_errors(self, key: str) -> list[str]:
         """What went wrong in this episode's backend calls that the backend's probe failed too (PROBE)."""
@@ -191,6 +199,8 @@ class ToolServer:
             if tool == "submit_final_answer":
                 return _reply(True, self._submit(key, args))
             result = await self._in_turn(line, tool, args)
+            pages = [h["id"] for h in result] if tool == "web_search" else [result.split("\n", 1)[0][:200]]
+            self._served[key] += [(tool, p) for p in pages][: self.max_served - len(self._served[key])]
         except ValueError as e:
             return _reply(False, str(e), 400)
         except Exception as e:  # asyncio.TimeoutError included
@@ -236,7 +246,7 @@ class ToolServer:
             raise ValueError("no search backend is configured (tools.search=none)")
         if tool == "web_search":
             query, k = valid_text(self._text(args, "query")), args.get("k", self.top_k)
-            if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= 20:
+            if not is_number(k, integer=True) or not 1 <= k <= 20:
                 raise ValueError(f"k must be an integer from 1 to 20, got {k!r}")
             hits = await self.backend.search(query, k)
             return [{"id": str(h.get("id", "")), "title": str(h.get("title", "")),

@@ -4,7 +4,7 @@ One background thread owns the model; each turn it takes new requests (thread-sa
 admits waiting ones while rows and keys/values room last, prefills admitted prompts (at most `prefill_chunk` tokens a
 turn, each reusing the longest prefix the `RadixCache` holds) and runs one decode step for the whole batch. Keys and
 values live in `BatchKV`: a buffer [2, rows, kv_heads, columns, head_dim] per layer, row r holding sequence r's
-tokens at columns 0..n_r-1, attended through a 4D mask (README "Inside the loop" has the details).
+tokens at columns 0..n_r-1, attended through a 4D mask (docs/internals.md "Inside the loop": the details).
 """
 
 from __future__ import annotations
@@ -590,7 +590,7 @@ class Engine:
         self.prefix_cache.clear()
         return True
 
-    def load_weights(self, folder: str, weight_version: str | None) -> str:
+    def load_weights(self, folder: str, weight_version: str | None) -> None:
         """Copy the weights of an HF folder (safetensors) into the model in place; all tensors are
         checked before any is copied, so a bad folder leaves the model as it was."""
         if self.num_requests():
@@ -610,4 +610,3 @@ class Engine:
         self.prefix_cache.clear()
         if weight_version is not None:
             self.weight_version = weight_version
-        return self.weight_version

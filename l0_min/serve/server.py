@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import math
@@ -30,6 +31,8 @@ from http import HTTPStatus
 from pathlib import Path
 
 from aiohttp import web
+
+from l0_min.config import is_number
 
 log = logging.getLogger("l0_min.serve")
 STATE = web.AppKey("l0_min_state", dict)
@@ -69,14 +72,11 @@ UNSUPPORTED_SAMPLING = {"frequency_penalty": (0, 0.0), "presence_penalty": (0, 0
                         "sampling_seed": ()}
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
+_is_int = functools.partial(is_number, integer=True)
 # JSON type checks by the name a message gives them
 _TYPES = {
     "an integer": _is_int,
-    "a number": lambda x: isinstance(x, (int, float)) and not isinstance(x, bool),
+    "a number": is_number,
     "a boolean": lambda x: isinstance(x, bool),
     "a string or a list of strings": lambda x: isinstance(x, str) or (isinstance(x, list)
                                                                      and all(isinstance(s, str) for s in x)),
@@ -152,12 +152,10 @@ def parse_generate(body, tokenizer, context_length: int = 1 << 30) -> tuple[list
     text, ids = body.get("text"), body.get("input_ids")
     if (text is None) == (ids is None):
         raise RequestError("Either text or input_ids should be provided (exactly one of them).")
-    if ids == []:
-        raise RequestError("input_ids cannot be empty.")
     if ids is not None:
         if not isinstance(ids, list):
             raise RequestError(f"input_ids: expected a list of token ids, got {type(ids).__name__}", schema=True)
-        single = not isinstance(ids[0], list)
+        single = not ids or not isinstance(ids[0], list)  # [] is one empty prompt: refused below
         prompts = [ids] if single else ids
         for i, p in enumerate(prompts):
             where = "input_ids" if single else f"input_ids[{i}]"
@@ -251,32 +249,58 @@ def schema_error_body(message: str, code: int = 400) -> dict:
     return {"object": "error", "message": message, "type": HTTPStatus(code).phrase, "param": None, "code": code}
 
 
-def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None = None):
-    from l0_min.serve.engine import SamplingParams, Sequence
+@web.middleware
+async def errors(request, handler):
+    """A RequestError is a 400 in SGLang's shape; any other exception a 500 (the server stays up)."""
+    try:
+        return await handler(request)
+    except RequestError as e:
+        body = schema_error_body(str(e)) if e.schema else {"error": {"message": str(e)}}  # _create_error_response
+        return web.json_response(body, status=400)
+    except (web.HTTPException, asyncio.CancelledError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error in %s %s", request.method, request.path)
+        return web.json_response(schema_error_body(f"internal server error: {e!r}", 500), status=500)
 
-    tokenizer = engine.tokenizer
-    state = {"model_path": model_path, "tokenizer_path": tokenizer_path, "lock": UpdateLock(), "closing": False}
 
-    @web.middleware
-    async def errors(request, handler):
-        """A RequestError is a 400 in SGLang's shape; any other exception a 500 (the server stays up)."""
-        try:
-            return await handler(request)
-        except RequestError as e:
-            body = schema_error_body(str(e)) if e.schema else {"error": {"message": str(e)}}  # _create_error_response
-            return web.json_response(body, status=400)
-        except (web.HTTPException, asyncio.CancelledError):
-            raise
-        except Exception as e:
-            log.exception("unhandled error in %s %s", request.method, request.path)
-            return web.json_response(schema_error_body(f"internal server error: {e!r}", 500), status=500)
-
+def api_key_middleware(api_key: str | None):
     @web.middleware
     async def check_api_key(request, handler):  # as SGLang's add_api_key_middleware
         if api_key and request.method != "OPTIONS" and not request.path.startswith(("/health", "/metrics")):
             if not hmac.compare_digest(request.headers.get("Authorization", "").encode(), f"Bearer {api_key}".encode()):
                 return web.json_response({"error": "Unauthorized"}, status=401)
         return await handler(request)
+    return check_api_key
+
+
+UPDATE_FIELDS = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async", "torch_empty_cache",
+                 "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"}
+
+
+def parse_update(body) -> tuple[str, str | None]:
+    """(model_path, weight_version) of an /update_weights_from_disk body, or one RequestError naming every problem."""
+    if not isinstance(body, dict):
+        raise RequestError("request body: expected a JSON object", schema=True)
+    unknown = sorted(set(body) - UPDATE_FIELDS)
+    problems = [f"{unknown[0]}: unknown field"] if unknown else []
+    path, version = body.get("model_path"), body.get("weight_version")
+    if not isinstance(path, str) or not path:
+        problems.append(f"model_path: expected a non-empty string, got {path!r}")
+    if version is not None and not isinstance(version, str):
+        problems.append(f"weight_version: expected a string, got {version!r}")
+    if body.get("load_format") not in (None, "auto", "safetensors"):
+        problems.append(f"load_format={body['load_format']!r} is not supported (auto, safetensors)")
+    if problems:
+        raise RequestError("; ".join(problems), schema=True)
+    return path, version
+
+
+def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None = None):
+    from l0_min.serve.engine import SamplingParams, Sequence
+
+    tokenizer = engine.tokenizer
+    state = {"model_path": model_path, "tokenizer_path": tokenizer_path, "lock": UpdateLock(), "closing": False}
 
     async def json_body(request):
         try:
@@ -308,7 +332,7 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
                 engine.validate(seq)
         except RequestError:
             raise
-        except ValueError as e:  # what the engine cannot run: /generate's error body
+        except ValueError as e:  # what the engine cannot run, or the tokenizer cannot encode: /generate's error body
             raise RequestError(str(e)) from None
         if state["closing"]:
             return web.json_response(schema_error_body("server is shutting down", 503), status=503)
@@ -349,24 +373,9 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
                 "(When there are running or waiting requests, the operation will not be performed.)\n")
         return web.Response(text=text, status=200 if ok else 400)
 
-    update_fields = {"model_path", "load_format", "abort_all_requests", "weight_version", "is_async",
-                     "torch_empty_cache", "keep_pause", "recapture_cuda_graph", "token_step", "flush_cache", "manifest"}
-
     async def update_weights_from_disk(request):
         body = await json_body(request)
-        if not isinstance(body, dict):
-            raise RequestError("request body: expected a JSON object", schema=True)
-        unknown = sorted(set(body) - update_fields)
-        problems = [f"{unknown[0]}: unknown field"] if unknown else []
-        path, version = body.get("model_path"), body.get("weight_version")
-        if not isinstance(path, str) or not path:
-            problems.append(f"model_path: expected a non-empty string, got {path!r}")
-        if version is not None and not isinstance(version, str):
-            problems.append(f"weight_version: expected a string, got {version!r}")
-        if body.get("load_format") not in (None, "auto", "safetensors"):
-            problems.append(f"load_format={body['load_format']!r} is not supported (auto, safetensors)")
-        if problems:
-            raise RequestError("; ".join(problems), schema=True)
+        path, version = parse_update(body)
         if body.get("abort_all_requests"):
             engine.abort()
         async with state["lock"].writing():
@@ -376,12 +385,11 @@ def make_app(engine, model_path: str, tokenizer_path: str, api_key: str | None =
                 content = {"success": False, "message": f"Failed to update weights: {e}", "num_paused_requests": 0}
                 return web.json_response(content, status=400)
         state["model_path"] = path
-        message = "Succeeded to update model weights."
-        if version is not None:
-            message += f" Weight version updated to {version}."
-        return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
+        note = "" if version is None else f" Weight version updated to {version}."
+        return web.json_response({"success": True, "message": "Succeeded to update model weights." + note,
+                                  "num_paused_requests": 0})
 
-    app = web.Application(middlewares=[check_api_key, errors], client_max_size=256 * 1024 * 1024)
+    app = web.Application(middlewares=[api_key_middleware(api_key), errors], client_max_size=256 * 1024 * 1024)
     app.add_routes([web.post("/generate", generate), web.put("/generate", generate), web.get("/health", health),
                     web.get("/health_generate", health_generate), web.get("/model_info", get_model_info),
                     web.get("/get_model_info", get_model_info),
@@ -415,14 +423,13 @@ def parse_args(argv=None):
 
 
 async def _serve(args) -> None:
-    from l0_min.models import resolve_model
+    from l0_min.models import load_model, resolve_model  # models imports torch only when it loads one
 
     t0 = time.time()
     path = resolve_model(args.model)  # before the slow imports: a wrong path fails at once
 
     import torch
 
-    from l0_min.models import load_model
     from l0_min.serve.engine import Engine
 
     if args.threads:
@@ -481,15 +488,13 @@ def start_server_process(model: str, port: int = 0, extra_args=(), *, host: str 
         os.close(fd)
     log_path = Path(log_path)
     root = str(Path(__file__).resolve().parents[2])
-    # OpenMP threads that wait sleep instead of spinning: beside kernels and a host loop on few cores, a
-    # spinning thread holds a core the others need
+    # waiting OpenMP threads sleep, not spin: on few cores a spinning one holds a core the kernels and host loop need
     env = {"OMP_WAIT_POLICY": "PASSIVE", **os.environ,
            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "l0_min.serve", "--model", str(model), "--host", host, "--port", str(port),
            "--parent-pid", str(os.getpid()), *map(str, extra_args)]
     with open(log_path, "wb") as logf:
-        # its own session: a Ctrl-C meant for train.py must not kill the server mid-step (it exits with
-        # its parent through --parent-pid)
+        # its own session: train.py's Ctrl-C must not kill it mid-step (it exits with its parent: --parent-pid)
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     proc.log_path = log_path

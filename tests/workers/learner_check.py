@@ -126,9 +126,27 @@ for name, rs, band in (("own", rows3, []), ("ratio4", shifted, []), ("band", shi
     for group in learner.opt.param_groups:
         group["lr"] = 0.0
     res[name] = learner.train_step(shard_rows(rs, rank, world))
+# 4b. stale samples: the sampler's log-probs moved by +0.3 at even positions, -0.1 at odd ones: the learner's token-
+#     and chunk-level mean |log ratio| (and max) are those of the moves, computed by hand on the rows below
+move = lambda j: 0.3 if j % 2 == 0 else -0.1  # noqa: E731
+learner.algo.tis_cap, learner.algo.mask_band = 0.0, []
+stale = learner.train_step(shard_rows([Row(r.ids, r.mask, r.adv, [x + move(j) for j, x in enumerate(r.old_logp)])
+                                       for r in rows3], rank, world))
 if rank == 0:
     report["tis"] = {k: {s: v[s] for s in ("pg_loss", "tis/truncated_frac", "tis/masked_frac", "mismatch/abs_log_ratio_mean",
                                           "mismatch/abs_log_ratio_max", "mismatch/kl_k3")} for k, v in res.items()}
+    chunks, run = [], []  # each chunk's mean move: the runs of action tokens of each row
+    for r in rows3:
+        for j, m in enumerate(r.mask + [0.0]):
+            if m > 0:
+                run.append(move(j))
+            elif run:
+                chunks, run = chunks + [sum(run) / len(run)], []
+    moves = [move(j) for r in rows3 for j, m in enumerate(r.mask) if m > 0]
+    report["stale"] = {"got": {k.split("/")[1]: stale[k] for k in stale if k.startswith("mismatch/")},
+                       "want": {"abs_log_ratio_mean": sum(map(abs, moves)) / len(moves), "abs_log_ratio_max": 0.3,
+                                "chunk_abs_log_ratio_mean": sum(map(abs, chunks)) / len(chunks),
+                                "chunk_abs_log_ratio_max": max(map(abs, chunks)), "chunks": len(chunks)}}
     report["resume_extra"] = extra
     report["loss_step2"], report["loss_step2_resumed"] = s2["loss"], s2b["loss"]
     report["resume_max_weight_diff"] = max((w2[k] - w2b[k]).abs().max().item() for k in w2)
