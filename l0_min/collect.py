@@ -52,13 +52,12 @@ class Services:
     tokenizer: object
     envs: dict[str, TaskEnv]
     urls: list[str] = field(default_factory=list)  # the inference servers, for messages
-    semaphore: asyncio.Semaphore | None = None
+    semaphore: asyncio.Semaphore = field(init=False)
     counters: dict = field(default_factory=lambda: {"env_retries": 0, "inference_retries": 0, "inference_pauses": 0})
     down_since: float | None = None  # when an episode first found the policy unreachable (shared deadline)
 
     def __post_init__(self):
-        if self.semaphore is None:
-            self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
+        self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
 
 
 SETUP_CHUNK = 200_000  # characters of file text per setup cell: the kernel echoes a cell back in one message, as
@@ -107,9 +106,8 @@ def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: 
 async def prepare(kernel, env: TaskEnv, task: Task, tools: Tools, timeout: float) -> None:
     """Give a fresh kernel the task's host tools and workspace files; raises if the sandbox cannot be set up."""
     tools.allow(kernel.id, env.tools)
-    drop = tuple(t for t in SEARCH_TOOLS if t not in env.tools)
     try:
-        cells = setup_cells(env.files(task), drop)
+        cells = setup_cells(env.files(task), tuple(t for t in SEARCH_TOOLS if t not in env.tools))
     except ValueError as e:  # the environment's files(): its mistake, named
         raise ValueError(f"env {env.name!r}: files() of task {task.id}: {e}") from None
     for cell in cells:
@@ -182,53 +180,40 @@ async def _healthy(svc: Services) -> bool:
 async def _wait_for_server(svc: Services) -> bool:
     """After an inference failure: False if the policy answers /health at once (the request failed), True once it
     answers again after an outage; InferenceDown once the outage has lasted inference.down_after seconds."""
-    if await _healthy(svc):
-        svc.down_since = None
-        return False
-    svc.counters["inference_pauses"] += 1
-    delay = svc.cfg.inference.backoff
-    while True:
-        if svc.down_since is None:
-            svc.down_since = time.monotonic()
+    paused, delay = False, svc.cfg.inference.backoff
+    while not await _healthy(svc):
+        svc.counters["inference_pauses"] += not paused
+        paused, svc.down_since = True, svc.down_since or time.monotonic()  # the deadline of the first to find it down
         left = svc.down_since + svc.cfg.inference.down_after - time.monotonic()
         if left <= 0:
             raise InferenceDown(f"inference server(s) unreachable for {svc.cfg.inference.down_after:g} s "
                                 "(inference.down_after); stopping the run")  # fmt: skip
         await asyncio.sleep(min(delay, left))
-        if await _healthy(svc):
-            svc.down_since = None
-            return True
         delay = min(delay * 2, 10.0)
+    svc.down_since = None
+    return paused
 
 
 async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, prefix: int = 0) -> Episode:
     """One finished episode (from the first `prefix` steps of the task's expert: rollout.resample): environment
     retries and inference pauses (see the module docstring), then its status, mask and score are settled here,
     the one place an episode is finished."""
-    retries = svc.cfg.rollout.max_retries
+    retries, failures = svc.cfg.rollout.max_retries, {ENV_ERROR: 0, INFERENCE_ERROR: 0}
     async with svc.semaphore:
-        env_failures = inference_failures = 0
         while True:
             ep, backend_errors = await _attempt(svc, task, prefix)
-            if backend_errors and ep.status not in (ENV_ERROR, INFERENCE_ERROR):  # a tool backend failed under it
+            if backend_errors and ep.status not in failures:  # a tool backend failed under it
                 ep.status = ENV_ERROR
                 ep.error = f"{len(backend_errors)} tool backend failure(s), the first: {backend_errors[0]}"
-            if ep.status == INFERENCE_ERROR:
-                if await _wait_for_server(svc):  # an outage that ended; raises InferenceDown if it does not
-                    continue
-                if inference_failures < retries:  # the server is up but this request failed
-                    inference_failures += 1
-                    svc.counters["inference_retries"] += 1
-                    log.warning("episode of task %s: %s; retrying", task.id, ep.error)
-                    continue
-                break
-            if ep.status == ENV_ERROR and env_failures < retries:
-                env_failures += 1
-                svc.counters["env_retries"] += 1
-                log.warning("episode of task %s: environment failure: %s; retrying on a fresh kernel",
-                            task.id, ep.error)
+            if ep.status == INFERENCE_ERROR and await _wait_for_server(svc):  # an outage that ended (or InferenceDown)
                 continue
-            break
+            if failures.get(ep.status, retries) >= retries:  # done, or out of retries
+                break
+            failures[ep.status] += 1  # an environment failure, or the server is up but this request failed
+            env = ep.status == ENV_ERROR
+            svc.counters["env_retries" if env else "inference_retries"] += 1
+            why = f"environment failure: {ep.error}; retrying on a fresh kernel" if env else f"{ep.error}; retrying"
+            log.warning("episode of task %s: %s", task.id, why)
     ep.group, ep.sample = group, sample
     ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # after max_retries: a zero-weight placeholder for stats
     _score(ep, svc)
@@ -340,11 +325,6 @@ class Batch:
     stats: dict
 
 
-def core_reward(ep: Episode) -> float:
-    """The reward dynamic sampling looks at: the environment's answer reward."""
-    return float(ep.rewards.get("core", 0.0))
-
-
 async def _group(svc: Services, task: Task, gi: int, rc: RolloutConfig, draw: random.Random) -> list[Episode]:
     """A group of `rc.n_samples` episodes of one task; with rollout.resample, all from one expert prefix."""
     expert = svc.envs[task.env].expert(task) if rc.resample and draw.random() < rc.resample else None
@@ -376,9 +356,7 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
 
     draw = random.Random(f"{getattr(stream, 'seed', 0)}-{stream.position}")  # which groups start from an expert prefix
 
-    kept: list[list[Episode]] = []
-    dropped: list[list[Episode]] = []  # by dynamic sampling, for topping up
-    running: set[asyncio.Task] = set()
+    kept, dropped, running = [], [], set()  # groups: kept, dropped by dynamic sampling (for topping up), in flight
     extra_left = rc.max_extra_groups if dynamic_sampling else 0
 
     def launch() -> None:
@@ -398,7 +376,7 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
                 if not (eps := _drop_timeouts(eps, stats, max_dropped)):
                     launch()
                     continue
-                rewards = [core_reward(e) for e in eps]
+                rewards = [float(e.rewards.get("core", 0.0)) for e in eps]  # the environment's answer reward
                 if dynamic_sampling and not all(algo.dynamic_sampling_keep(rewards, [0] * len(eps))):
                     stats["groups_dropped_ds"] += 1
                     dropped.append(eps)
