@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import inspect
 import json
 import math
 import random
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from l0_min import loss as losses
-from l0_min.distributed import all_reduce, init_distributed
+from l0_min.distributed import all_reduce, from_rank0, init_distributed
 from l0_min.config import AlgoConfig, LearnerConfig
 from l0_min.episode import Row
 
@@ -187,12 +186,12 @@ def _flash_varlen(module: str):
 
 
 def _torch_varlen(repeat: bool):
-    """torch's `varlen_attn`, causal as `window_size=(-1, 0)`. Its flash kernel shares K/V heads itself (GQA: torch
-    2.13 asks for `enable_gqa`, 2.11 has no such argument); where it does not (`repeat`), the shared heads are
-    repeated first, as transformers' own `repeat_kv` does."""
+    """torch's `varlen_attn`, causal as `window_size=(-1, 0)`. Its flash kernel shares K/V heads itself (GQA, asked
+    for with `enable_gqa`); where it does not (`repeat`), the shared heads are repeated first, as transformers' own
+    `repeat_kv` does."""
     from torch.nn.attention.varlen import varlen_attn
 
-    kw = {"enable_gqa": True} if not repeat and "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+    kw = {} if repeat else {"enable_gqa": True}
 
     def run(q, k, v, cu, n, scale):
         if repeat and k.shape[1] != q.shape[1]:
@@ -353,19 +352,16 @@ def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tens
 
 
 # ---------------------------------------------------------------------------------- the learner
-def _lr_lambda(cfg: LearnerConfig, total_steps: int):
-    def f(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "cosine":
-            progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-            cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos
-        if cfg.schedule != "constant":
-            raise ValueError(f"learner.schedule: unknown schedule {cfg.schedule!r} (constant | cosine)")
-        return 1.0
-
-    return f
+def _lr_factor(cfg: LearnerConfig, total_steps: int, step: int) -> float:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos
+    if cfg.schedule != "constant":
+        raise ValueError(f"learner.schedule: unknown schedule {cfg.schedule!r} (constant | cosine)")
+    return 1.0
 
 
 def add_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
@@ -480,20 +476,17 @@ class Learner:
         self.rank, self.world, self.device = init_distributed(cfg.backend, cfg.device)
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        cuda = self.device.type == "cuda"
-        mixed = cuda if cfg.mixed_precision is None else cfg.mixed_precision
+        mixed = self.device.type == "cuda" if cfg.mixed_precision is None else cfg.mixed_precision
         # rank 0 alone reads the checkpoint (one host copy instead of one per rank) and broadcasts it
-        full_sd, shared = {}, [None]
+        full_sd, shared = {}, None
         if self.rank == 0:
             cpu = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if weights is None else weights
             cpu = add_lora(cpu, cfg) if cfg.lora_rank > 0 else cpu  # the adapters' init travels with the weights
             full_sd = cpu.state_dict()
-            n = {"lora_": 0, "": 0}  # parameters: the adapters', the base model's
-            for name, x in cpu.named_parameters():
-                n["lora_" if "lora_" in name else ""] += x.numel()
-            shared = [(dict(cpu.named_buffers()), n[""], n["lora_"] or n[""])]
-        dist.broadcast_object_list(shared, src=0)
-        buffers, n_params, n_train = shared[0]
+            lora = sum(x.numel() for name, x in cpu.named_parameters() if "lora_" in name)  # the adapters' parameters
+            base = sum(x.numel() for x in cpu.parameters()) - lora
+            shared = dict(cpu.named_buffers()), base, lora or base
+        buffers, n_params, n_train = from_rank0(shared)
         config = AutoConfig.from_pretrained(self.model_path)
         if (room := free_memory(self.device)) is not None:  # what it needs against what is free, before it allocates
             check_memory(config, n_params, n_train, cfg, self.world, mixed, algo_cfg.kl_coef > 0, room, self.device.index)
@@ -510,7 +503,7 @@ class Learner:
         """A fresh AdamW (fused on CUDA) and schedule, for a new phase (SFT, then RL at its own learning rate)."""
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay,
                                      fused=self.device.type == "cuda" or None)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(self.cfg, total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, functools.partial(_lr_factor, self.cfg, total_steps))
 
     # -- one RL update -------------------------------------------------------------------------
     def train_step(self, rows: list[Row], sft: bool = False) -> dict:
@@ -594,8 +587,7 @@ class Learner:
 
     def _reduce(self, stats: dict, gap: dict, sft: bool) -> dict:
         """The step's numbers over every rank (each holds its share), read back once."""
-        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum",
-                "chunks", "chunk_abs_log_ratio_sum")
+        keys = [k for k in stats | gap if k != "grad_norm" and not k.endswith("_max")]  # the sums
         sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))
         gap_max, chunk_max = all_reduce([gap["abs_log_ratio_max"], gap["chunk_abs_log_ratio_max"]], self.device,
                                         op=dist.ReduceOp.MAX)
@@ -648,8 +640,7 @@ class Learner:
         """Model + optimizer (torch.distributed.checkpoint), scheduler, step, RNG, caller's extra."""
         ckpt_dir = Path(ckpt_dir)
         dcp.save(self._dcp_state(), checkpoint_id=str(ckpt_dir / "dcp"))
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        torch.save(rng, ckpt_dir / f"rng_rank{self.rank}.pt")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, ckpt_dir / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             meta = {"step": self.step, "sched": self.sched.state_dict(), "extra": extra or {}}
             (ckpt_dir / "learner.json").write_text(json.dumps(meta))
