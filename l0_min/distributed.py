@@ -28,8 +28,7 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, 
     if cuda:
         torch.cuda.set_device(device)  # before any collective: nccl's object collectives use the current device
     if not dist.is_initialized():
-        if backend == "auto":
-            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        backend = ("cpu:gloo,cuda:nccl" if cuda else "gloo") if backend == "auto" else backend
         kw = {"device_id": device} if cuda and "nccl" in backend else {}
         if "RANK" not in os.environ:  # plain python: a group of one, with an in-memory store (no port)
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

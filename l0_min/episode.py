@@ -94,8 +94,7 @@ class Episode:
             rec = {f.name: getattr(s, f.name) for f in fields(Step)}  # the lists themselves: no copy
             n = len(prev.context_ids) + len(prev.action_ids) if prev else 0
             if prev and s.segment == prev.segment and s.context_ids[:n] == prev.context_ids + prev.action_ids:
-                rec["context_new"] = s.context_ids[n:]
-                del rec["context_ids"]
+                rec["context_new"] = rec.pop("context_ids")[n:]
             d["steps"].append(rec)
         return d
 

@@ -196,8 +196,7 @@ class ResultsFile(contextlib.AbstractContextManager):
             self.by_key = {(r["id"], r["sample"]): r for r in read_results(self.path)}
         except BlockingIOError:
             self._lock.close()
-            raise EvalError(f"{self.path.parent} is in use by another evaluate.py (lock file {self._lock.name})") \
-                from None
+            raise EvalError(f"{self.path.parent} is in use by another evaluate.py (lock file {self._lock.name})") from None
         except BaseException:
             self.close()
             raise
@@ -209,13 +208,12 @@ class ResultsFile(contextlib.AbstractContextManager):
         if record.get("status") != ENV_ERROR:
             self.done.add((record["id"], record["sample"]))
 
-    def close(self) -> None:
+    def close(self, *exc) -> None:
         if hasattr(self, "_file"):
             self._file.close()
         self._lock.close()  # releases the flock
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = close
 
 
 def check_run_info(path: str | Path, info: dict) -> None:
@@ -248,11 +246,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-Z95 = 1.959963984540054  # the two-sided 95% quantile of the standard normal
-
-
-def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of successes / n: unlike p +- z*se, inside [0, 1] and not empty at 0 or n.
+def wilson_interval(successes: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) of successes / n: unlike p +- z*se, inside [0, 1] and not empty at 0 or n.
 
     >>> [round(x, 4) for x in wilson_interval(8, 10)], [round(x, 4) for x in wilson_interval(0, 10)]
     ([0.4902, 0.9433], [0.0, 0.2775])
