@@ -52,12 +52,13 @@ class Services:
     tokenizer: object
     envs: dict[str, TaskEnv]
     urls: list[str] = field(default_factory=list)  # the inference servers, for messages
-    semaphore: asyncio.Semaphore = field(init=False)
+    semaphore: asyncio.Semaphore | None = None
     counters: dict = field(default_factory=lambda: {"env_retries": 0, "inference_retries": 0, "inference_pauses": 0})
     down_since: float | None = None  # when an episode first found the policy unreachable (shared deadline)
 
     def __post_init__(self):
-        self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
+        if self.semaphore is None:  # dataclasses.replace(svc, ...) shares svc's (train.py's greedy evaluation)
+            self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
 
 
 SETUP_CHUNK = 200_000  # characters of file text per setup cell: the kernel echoes a cell back in one message, as
