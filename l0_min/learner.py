@@ -201,8 +201,7 @@ def _torch_varlen(repeat: bool):
     return run
 
 
-# (module, how to load its kernel) in order of preference; flash-attn 4 last: its CuTe kernels compile at the first
-# use of each configuration
+# (module, how to load its kernel) in order of preference; flash-attn 4 last: its CuTe kernels compile at each first use
 VARLEN_KERNELS = {"flash_attn": ("flash_attn", lambda: _flash_varlen("flash_attn")),
                   "flash_attn_interface": ("flash_attn_interface", lambda: _flash_varlen("flash_attn_interface")),
                   "torch_varlen": ("torch.nn.attention.varlen", lambda: _torch_varlen(repeat=False)),
@@ -344,8 +343,7 @@ def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tens
     """log p(ids[t] | ids[<t]) at `temperature` of a packed sequence at the positions `need` marks (default: all;
     `packed`: `packing(pos, need)` worked out ahead), 0 elsewhere. Only those go through the LogProbHead lm_head."""
     cu, longest, idx = packing(pos, need) if packed is None else packed  # idx: t; their logits are t - 1's
-    head = model.lm_head
-    head.targets, head.inv_t = ids[idx], 1.0 / (temperature or 1.0)  # T = 0 (greedy): the raw distribution
+    model.lm_head.targets, model.lm_head.inv_t = ids[idx], 1.0 / (temperature or 1.0)  # T = 0 (greedy): raw logits
     logp = model(input_ids=ids[None], position_ids=pos[None], use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                  max_length_q=longest, max_length_k=longest, logits_to_keep=idx - 1).logits.reshape(-1)
     return logp.new_zeros(len(ids)).index_put((idx,), logp)
@@ -437,16 +435,14 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
     model.lm_head.__class__ = LogProbHead
-    if cfg.lora_rank > 0:
-        add_lora(model, cfg)
+    model = add_lora(model, cfg) if cfg.lora_rank > 0 else model
     apply_activation_checkpointing(model, cfg.activation_checkpointing if train else "none")
     apply_compile(model, cfg.compile)
     if mixed and not train:  # the frozen reference is kept in the compute dtype: what every gather cast it to anyway
         for x in model.parameters():
             x.data = x.data.to(torch.bfloat16)
     kw = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}  # the learner's device, not the host's GPU
-    if mixed:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw |= {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
     layers, k = list(_layers(model)), cfg.fsdp_unit
     if k < 1:
         raise ValueError(f"learner.fsdp_unit: expected >= 1 decoder layers, got {k}")
@@ -454,8 +450,7 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
         fully_shard(m, **kw)
     model.eval()  # dropout off (the checkpointing above is ours, not transformers' training-mode one)
     model.to_empty(device=device)  # then the broadcast lands on the device (a meta model would be loaded on CPU)
-    # a copy: set_model_state_dict puts the sharded tensors into the dict it is given (the KL reference's
-    # build would broadcast the policy's DTensors)
+    # a copy: set_model_state_dict puts sharded tensors into its dict (the KL reference would get the policy's DTensors)
     set_model_state_dict(model, dict(full_sd), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, b in buffers.items():  # non-persistent buffers (rotary inv_freq) are not in any state dict
         model.get_buffer(name).copy_(b)
@@ -550,8 +545,7 @@ class Learner:
                     kl = (losses.kl_penalty(logp, ref_logps[i], a.kl_estimator) * b["mask"]).sum() / max(n_global, 1.0)
                     loss = loss + a.kl_coef * kl
                     stats["kl"] += kl.detach() if epoch == 0 else 0.0
-                # FSDP averages gradients over ranks; scaling by world size makes the result the
-                # gradient of (global-batch sum / n_global), independent of how rows are split
+                # FSDP averages over ranks: x world is the gradient of (global-batch sum / n_global), however rows are split
                 (loss * self.world).backward()
                 if epoch == 0:
                     stats["loss"] += loss.detach()  # (sums on the device: no sync per micro-batch)
@@ -589,8 +583,7 @@ class Learner:
         """The step's numbers over every rank (each holds its share), read back once."""
         keys = [k for k in stats | gap if k != "grad_norm" and not k.endswith("_max")]  # the sums
         sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))
-        gap_max, chunk_max = all_reduce([gap["abs_log_ratio_max"], gap["chunk_abs_log_ratio_max"]], self.device,
-                                        op=dist.ReduceOp.MAX)
+        gap_max, chunk_max = all_reduce([gap[k] for k in gap if k.endswith("_max")], self.device, op=dist.ReduceOp.MAX)
         out = {k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")} | {"grad_norm": float(stats["grad_norm"])}
         if not sft:  # sampler vs learner on the action tokens (loss.mismatch), and what the correction did
             n = max(sums["tokens"], 1.0)
