@@ -52,11 +52,10 @@ def check_sandbox(cfg) -> None:
         lines = p.stderr.strip().splitlines() or [f"exit status {p.returncode}"]
         cause = next((line for line in lines if line.startswith("bwrap:")), lines[-1])
         raise bwrap.SandboxError(
-            f"sandbox: bwrap cannot start a sandbox here ({cause}). Options: run the container with "
-            "--security-opt seccomp=unconfined --security-opt apparmor=unconfined (plus --cap-add SYS_ADMIN when "
-            "it runs as root), or allow unprivileged user namespaces on the host "
-            "(sysctl kernel.apparmor_restrict_unprivileged_userns=0); or set sandbox.enabled=false to run kernels "
-            "without a sandbox (unsafe; logged)")
+            f"sandbox: bwrap cannot start a sandbox here ({cause}). Options: run the container with --security-opt "
+            "seccomp=unconfined --security-opt apparmor=unconfined (plus --cap-add SYS_ADMIN when it runs as root), or "
+            "allow unprivileged user namespaces on the host (sysctl kernel.apparmor_restrict_unprivileged_userns=0); "
+            "or set sandbox.enabled=false to run kernels without a sandbox (unsafe; logged)")
 
 
 async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> None:
