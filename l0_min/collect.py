@@ -138,9 +138,8 @@ class ExpertPolicy:
             return await self.then.generate(input_ids, sampling)
         task = self.tasks[key.rsplit("#", 1)[0]]
         actions = self.envs[task.env].expert(task)
-        action = actions[min(n, len(actions) - 1)]
-        action = action[len(self.prefill):] if self.prefill and action.startswith(self.prefill) else action
-        ids = self.tokenizer.encode(action, add_special_tokens=False)  # the context already ends with the prefill
+        action = actions[min(n, len(actions) - 1)].removeprefix(self.prefill)  # the context already ends with it
+        ids = self.tokenizer.encode(action, add_special_tokens=False)
         return Generation(ids, [0.0] * len(ids), "stop", "</code>")
 
 
@@ -171,18 +170,15 @@ async def _attempt(svc: Services, task: Task, prefix: int = 0) -> tuple[Episode,
                 await svc.kernels.release(kernel)
 
 
-async def _healthy(svc: Services) -> bool:
-    try:
-        return bool(await svc.policy.health())
-    except Exception:
-        return False
-
-
 async def _wait_for_server(svc: Services) -> bool:
     """After an inference failure: False if the policy answers /health at once (the request failed), True once it
     answers again after an outage; InferenceDown once the outage has lasted inference.down_after seconds."""
     paused, delay = False, svc.cfg.inference.backoff
-    while not await _healthy(svc):
+    while True:
+        with contextlib.suppress(Exception):  # a /health that raises: not healthy
+            if await svc.policy.health():
+                svc.down_since = None
+                return paused
         svc.counters["inference_pauses"] += not paused
         paused, svc.down_since = True, svc.down_since or time.monotonic()  # the deadline of the first to find it down
         left = svc.down_since + svc.cfg.inference.down_after - time.monotonic()
@@ -191,8 +187,6 @@ async def _wait_for_server(svc: Services) -> bool:
                                 "(inference.down_after); stopping the run")  # fmt: skip
         await asyncio.sleep(min(delay, left))
         delay = min(delay * 2, 10.0)
-    svc.down_since = None
-    return paused
 
 
 async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, prefix: int = 0) -> Episode:

@@ -297,13 +297,12 @@ def check(value, tp, key: str):
         _apply(node := tp(), value, key + ".")
         return node
     if typing.get_origin(tp) is list:
-        (item,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
         value = [value] if isinstance(value, dict) else value
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [check(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if is_number(value) and tp in (float, str):
         return tp(value)
     if tp is float and isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
