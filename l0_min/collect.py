@@ -122,8 +122,7 @@ class ExpertPolicy:
     kernels and tools (log-probs 0). With `then` (a policy), an episode's first `steps` actions are the expert's and
     the rest `then`'s (chunk-initialization resampling, collect.run_one)."""
 
-    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None,
-                 steps: int = 0):  # fmt: skip
+    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None, steps: int = 0):
         self.tasks, self.envs = {t.id: t for t in tasks}, envs
         self.tokenizer, self.prefill, self.then, self.steps = tokenizer, prefill, then, steps
         self.calls: dict[str, int] = {}
@@ -148,8 +147,7 @@ async def _attempt(svc: Services, task: Task, prefix: int = 0) -> tuple[Episode,
     actions the expert's: context, Step.prefix), release the kernel. Returns the episode and the tool backend
     errors the host saw during it."""
     kernel, cfg, env = None, svc.cfg, svc.envs[task.env]
-    policy = svc.policy if not prefix else ExpertPolicy([task], svc.envs, svc.tokenizer, cfg.agent.prefill, svc.policy,
-                                                        prefix)  # fmt: skip
+    policy = ExpertPolicy([task], svc.envs, svc.tokenizer, cfg.agent.prefill, svc.policy, prefix) if prefix else svc.policy
     try:
         kernel = await svc.kernels.acquire()
         await prepare(kernel, env, task, svc.tools, cfg.kernel.exec_timeout)

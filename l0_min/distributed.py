@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, int, torch.device]:
     """Join the torchrun process group (or make a 1-rank one) on `device` (learner.device; cuda: RuntimeError with
-    the reason where it cannot be used). With CUDA the group is "cpu:gloo,cuda:nccl": object collectives run on CPU.
-    """
+    the reason where it cannot be used). With CUDA the group is "cpu:gloo,cuda:nccl": object collectives run on CPU."""
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"learner.device: expected auto, cuda or cpu, got {device!r}")
     cuda = device != "cpu" and torch.cuda.is_available()

@@ -386,7 +386,6 @@ def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.T
 
 
 # ---------------------------------------------------------------------- speed paths (torchtitan's style)
-# apply_* functions over the plain model, chosen by learner.* settings, composed in `_build` (not in train_step)
 def _layers(model: torch.nn.Module):
     if (layers := getattr(getattr(model, "model", model), "layers", None)) is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
@@ -472,8 +471,7 @@ class Learner:
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         mixed = self.device.type == "cuda" if cfg.mixed_precision is None else cfg.mixed_precision
-        # rank 0 alone reads the checkpoint (one host copy instead of one per rank) and broadcasts it
-        full_sd, shared = {}, None
+        full_sd, shared = {}, None  # rank 0 alone reads the checkpoint (one host copy, not one per rank), broadcasts it
         if self.rank == 0:
             cpu = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if weights is None else weights
             cpu = add_lora(cpu, cfg) if cfg.lora_rank > 0 else cpu  # the adapters' init travels with the weights

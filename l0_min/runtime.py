@@ -116,8 +116,7 @@ async def policy_client(cfg: Config, model_path: str | Path, log_dir: str | Path
             raise ValueError("inference.worker_urls needs inference.urls (the URL(s) that generate)")
         if not urls:  # `python -m l0_min.serve` on the model
             args = ["--dtype", cfg.model.serving_dtype(cuda=False), *cfg.inference.embedded_args]
-            if "--threads" not in args:
-                # a core left to the kernels and the event loop: threads contending with them for every core run slower
+            if "--threads" not in args:  # a core left to the kernels and the loop: threads contending with them run slower
                 args += ["--threads", str(max(1, (os.cpu_count() or 1) - 1))]
             proc, url = await asyncio.to_thread(start_server_process, str(model_path), port=cfg.inference.embedded_port,
                                                 extra_args=args, log_path=Path(log_dir) / "server.log" if log_dir else None)

@@ -41,8 +41,7 @@ class TaskEnv(Protocol):
     def step_rewards(self, ep: Episode) -> list[float]: ...  # optional: one per step of ep.steps (rewards.score_episode)
 
 
-REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", "tools", "system_prompt",
-            "worked_example")  # fmt: skip
+REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", "tools", "system_prompt", "worked_example")
 
 
 class TaskEnvBase:
