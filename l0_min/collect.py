@@ -144,8 +144,7 @@ class ExpertPolicy:
 
 async def _attempt(svc: Services, task: Task, prefix: int = 0) -> tuple[Episode, list[str]]:
     """One try: acquire a kernel, prepare it for the task, run the agent under the hard timeout (its first `prefix`
-    actions the expert's: context, Step.prefix), release the kernel. Returns the episode and the tool backend
-    errors the host saw during it."""
+    actions the expert's: context, Step.prefix), release the kernel; the episode and the tool backend errors seen."""
     kernel, cfg, env = None, svc.cfg, svc.envs[task.env]
     policy = ExpertPolicy([task], svc.envs, svc.tokenizer, cfg.agent.prefill, svc.policy, prefix) if prefix else svc.policy
     try:
@@ -188,9 +187,8 @@ async def _wait_for_server(svc: Services) -> bool:
 
 
 async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, prefix: int = 0) -> Episode:
-    """One finished episode (from the first `prefix` steps of the task's expert: rollout.resample): environment
-    retries and inference pauses (see the module docstring), then its status, mask and score are settled here,
-    the one place an episode is finished."""
+    """One finished episode (from the first `prefix` steps of the task's expert: rollout.resample): environment retries
+    and inference pauses, then its status, mask and score are settled here, the one place an episode is finished."""
     retries, failures = svc.cfg.rollout.max_retries, {ENV_ERROR: 0, INFERENCE_ERROR: 0}
     async with svc.semaphore:
         while True:
@@ -395,8 +393,7 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
     episodes = [e for eps in kept for e in eps]
     stats["episodes_masked"] = sum(e.masked for e in episodes)
     stats.update({k: svc.counters[k] - counters0.get(k, 0) for k in svc.counters})
-    stats.update(rollout_seconds=time.perf_counter() - t0, task_position=stream.position)
-    return Batch(episodes, stats)
+    return Batch(episodes, stats | dict(rollout_seconds=time.perf_counter() - t0, task_position=stream.position))
 
 
 class Batches:
@@ -425,9 +422,8 @@ class Batches:
                 self.producer.result()
             self.slots.release()
         batch = get.result() if self.ahead else await self.collect()
-        batch.episodes, stale = drop_stale(batch.episodes, version, self.ahead)
-        batch.stats |= stale
-        return batch
+        kept, stale = drop_stale(batch.episodes, version, self.ahead)
+        return Batch(kept, batch.stats | stale)
 
     async def close(self) -> None:
         if self.producer is not None:

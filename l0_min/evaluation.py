@@ -308,8 +308,7 @@ def summarize(records: list[dict], metrics: tuple[str, ...] | list[str], k: int 
          **{key: qmean(lambda r, key=key: float(r.get(key, 0.0))) for key in metrics}}
     m.update(score=m[head], successes=m[head] * len(per_q), score_ci=list(wilson_interval(min(m[head] * len(per_q),
              len(per_q)), len(per_q))), pass_at_k=rate_pass_at_k(lambda r: float(r.get(head, 0.0)) == 1.0),
-             answered=qmean(lambda r: float(r["answered"])),
-             reward=qmean(lambda r: float(r.get("reward", 0.0))),
+             answered=qmean(lambda r: float(r["answered"])), reward=qmean(lambda r: float(r.get("reward", 0.0))),
              steps=None if any(r.get("steps") is None for r in records) else qmean(lambda r: float(r["steps"])),
              incomplete_questions=sum(len(rs) < k for rs in per_q),
              status=dict(sorted(Counter(r["status"] for r in records).items())))  # fmt: skip

@@ -560,9 +560,8 @@ class Learner:
         self.step += 1
         stats = self._reduce(stats, gap, sft)
         secs = time.perf_counter() - t0
-        stats.update(lr=self.sched.get_last_lr()[0], action_tokens=n_global, tokens=n_processed, train_seconds=secs,
-                     tokens_per_s=n_processed / max(secs, 1e-9))
-        return stats
+        return stats | dict(lr=self.sched.get_last_lr()[0], action_tokens=n_global, tokens=n_processed,
+                            train_seconds=secs, tokens_per_s=n_processed / max(secs, 1e-9))
 
     def _correct(self, b: dict, stats: dict, gap: dict) -> dict:
         """Micro-batch `b`'s mask times its behaviour correction (loss.behaviour_weights), counted in `stats`; returns
@@ -587,9 +586,8 @@ class Learner:
             n = max(sums["tokens"], 1.0)
             out.update({"mismatch/abs_log_ratio_mean": sums["abs_log_ratio_sum"] / n, "mismatch/abs_log_ratio_max": gap_max,
                         "mismatch/chunk_abs_log_ratio_mean": sums["chunk_abs_log_ratio_sum"] / max(sums["chunks"], 1.0),
-                        "mismatch/chunk_abs_log_ratio_max": chunk_max,
-                        "mismatch/kl_k3": sums["k3_sum"] / n, "tis/truncated_frac": sums["truncated"] / n,
-                        "tis/masked_frac": sums["masked"] / n})  # fmt: skip
+                        "mismatch/chunk_abs_log_ratio_max": chunk_max, "mismatch/kl_k3": sums["k3_sum"] / n,
+                        "tis/truncated_frac": sums["truncated"] / n, "tis/masked_frac": sums["masked"] / n})  # fmt: skip
         return out
 
     # -- weights out ---------------------------------------------------------------------------
