@@ -212,10 +212,9 @@ async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, pr
 
 
 def _score(ep: Episode, svc: Services) -> None:
-    """score_episode, where what the environment's score() raises ends no run: raised on the agent's answer (not on
-    none), the episode is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error).
-    Each cause (environment, exception) is counted (svc.counters: the step's metrics) and printed at its 1st, 10th,
-    100th ... episode."""
+    """score_episode, where a score() that raises ends no run: raised on the agent's answer (not on none), the episode
+    is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error). Each cause (environment,
+    exception) is counted in svc.counters (the step's metrics) and printed at its 1st, 10th, 100th ... episode."""
     cfg, env = svc.cfg.reward, svc.envs[ep.task.env]
     try:
         return score_episode(ep, cfg, env)

@@ -151,12 +151,10 @@ async def judge_client(url: str, judge: str, key_env: str | None, tokenizer, pol
     from l0_min.inference import InferenceClient
 
     chat = ChatFormat(tokenizer)
-    async with contextlib.AsyncExitStack() as stack:
-        client = policy
-        if url != "self":
-            client = await stack.enter_async_context(InferenceClient([u for u in url.split(",") if u], cfg.inference))
-            if not await client.health():
-                raise EvalError(f"judge {url}: no server answers /health")
+    client = policy if url == "self" else InferenceClient([u for u in url.split(",") if u], cfg.inference)
+    async with contextlib.nullcontext() if url == "self" else client:  # the policy is its caller's to close
+        if url != "self" and not await client.health():
+            raise EvalError(f"judge {url}: no server answers /health")
 
         async def generate_text(prompt: str) -> str:
             gen = await client.generate(chat.prompt_ids(JUDGE_SYSTEM, prompt),
@@ -181,10 +179,9 @@ def read_results(path: str | Path) -> list[dict]:
 
 
 class ResultsFile(contextlib.AbstractContextManager):
-    """results.jsonl of an evaluation folder, opened for appending (one flushed line a record) under an exclusive
-    lock: a second process on the folder gets an EvalError. `by_key`: the latest record of each (id, sample).
-    `done`: the finished keys; env_error samples (the sandbox or a tool failed, not the model) are not, so a rerun
-    retries them."""
+    """results.jsonl of an evaluation folder, appended to (one flushed line a record) under an exclusive lock: a second
+    process on the folder gets an EvalError. `by_key`: the latest record of each (id, sample). `done`: the finished
+    keys; env_error samples (the sandbox or a tool failed, not the model) are not, so a rerun retries them."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)

@@ -233,8 +233,7 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> tuple:
         try:
             if importlib.util.find_spec(module) is None:
                 continue
-            kernel = load()
-            _probe_varlen(kernel, device, dtype)
+            _probe_varlen(kernel := load(), device, dtype)
             return kernel, name, "; ".join(skipped)
         except Exception as e:  # noqa: BLE001 -- an import, a missing device kernel, a wrong answer: the next one
             skipped.append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")

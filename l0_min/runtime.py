@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .collect import Services
-from .config import Config
+from .config import Config, SandboxConfig
 from .inference import InferenceClient
 from .sandbox import bwrap
 from .sandbox.pool import KernelPool
@@ -34,10 +34,9 @@ from .sandbox.tools import ToolServer
 log = logging.getLogger(__name__)
 
 
-def check_sandbox(cfg) -> None:
-    """Run `true` in one sandbox built like a kernel's (bwrap.command: the same namespaces, mounts and
-    limits): where bwrap cannot create namespaces (GPU containers often), stop here with one line
-    instead of turning every episode into env_error. `cfg` is the sandbox section."""
+def check_sandbox(cfg: SandboxConfig) -> None:
+    """Run `true` in one sandbox built like a kernel's (bwrap.command: the same namespaces, mounts and limits): where
+    bwrap cannot create namespaces (GPU containers often), stop here with one line, not an env_error per episode."""
     if not cfg.enabled:
         return
     lease = bwrap.UidLease(cfg) if bwrap.runs_as_root() else None
