@@ -123,9 +123,8 @@ class ExpertPolicy:
     the rest `then`'s (chunk-initialization resampling, collect.run_one)."""
 
     def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None, steps: int = 0):
-        self.tasks, self.envs = {t.id: t for t in tasks}, envs
+        self.tasks, self.envs, self.calls = {t.id: t for t in tasks}, envs, {}  # calls: episode key -> actions asked
         self.tokenizer, self.prefill, self.then, self.steps = tokenizer, prefill, then, steps
-        self.calls: dict[str, int] = {}
 
     async def health(self) -> bool:
         return True if self.then is None else await self.then.health()
@@ -338,8 +337,7 @@ def _drop_timeouts(eps: list[Episode], stats: dict, max_dropped: int) -> list[Ep
 
 async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool = True) -> Batch:
     """`rc.batch_size` groups of `rc.n_samples` episodes for one training step."""
-    t0 = time.perf_counter()
-    counters0 = dict(svc.counters)
+    t0, counters0 = time.perf_counter(), dict(svc.counters)  # to report this batch's time and counts
     max_dropped = int(rc.max_dropped_frac * rc.batch_size * rc.n_samples)
     stats = {"groups_launched": 0, "groups_dropped_ds": 0, "groups_topped_up": 0, "timeouts_dropped": 0,
              "timeouts_kept": 0, "stragglers_cancelled": 0}  # fmt: skip
