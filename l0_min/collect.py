@@ -57,7 +57,7 @@ class Services:
     down_since: float | None = None  # when an episode first found the policy unreachable (shared deadline)
 
     def __post_init__(self):
-        if self.semaphore is None:
+        if self.semaphore is None:  # dataclasses.replace(svc, ...) shares svc's (train.py's greedy evaluation)
             self.semaphore = asyncio.Semaphore(self.cfg.rollout.max_concurrency)
 
 
@@ -107,9 +107,8 @@ def setup_cells(files: dict[str, str], drop_tools: tuple[str, ...] = (), chunk: 
 async def prepare(kernel, env: TaskEnv, task: Task, tools: Tools, timeout: float) -> None:
     """Give a fresh kernel the task's host tools and workspace files; raises if the sandbox cannot be set up."""
     tools.allow(kernel.id, env.tools)
-    drop = tuple(t for t in SEARCH_TOOLS if t not in env.tools)
     try:
-        cells = setup_cells(env.files(task), drop)
+        cells = setup_cells(env.files(task), tuple(t for t in SEARCH_TOOLS if t not in env.tools))
     except ValueError as e:  # the environment's files(): its mistake, named
         raise ValueError(f"env {env.name!r}: files() of task {task.id}: {e}") from None
     for cell in cells:
@@ -123,11 +122,9 @@ class ExpertPolicy:
     kernels and tools (log-probs 0). With `then` (a policy), an episode's first `steps` actions are the expert's and
     the rest `then`'s (chunk-initialization resampling, collect.run_one)."""
 
-    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None,
-                 steps: int = 0):  # fmt: skip
-        self.tasks, self.envs = {t.id: t for t in tasks}, envs
+    def __init__(self, tasks: list[Task], envs: dict[str, TaskEnv], tokenizer, prefill: str = "", then=None, steps: int = 0):
+        self.tasks, self.envs, self.calls = {t.id: t for t in tasks}, envs, {}  # calls: episode key -> actions asked
         self.tokenizer, self.prefill, self.then, self.steps = tokenizer, prefill, then, steps
-        self.calls: dict[str, int] = {}
 
     async def health(self) -> bool:
         return True if self.then is None else await self.then.health()
@@ -139,19 +136,16 @@ class ExpertPolicy:
             return await self.then.generate(input_ids, sampling)
         task = self.tasks[key.rsplit("#", 1)[0]]
         actions = self.envs[task.env].expert(task)
-        action = actions[min(n, len(actions) - 1)]
-        action = action[len(self.prefill):] if self.prefill and action.startswith(self.prefill) else action
-        ids = self.tokenizer.encode(action, add_special_tokens=False)  # the context already ends with the prefill
+        action = actions[min(n, len(actions) - 1)].removeprefix(self.prefill)  # the context already ends with it
+        ids = self.tokenizer.encode(action, add_special_tokens=False)
         return Generation(ids, [0.0] * len(ids), "stop", "</code>")
 
 
 async def _attempt(svc: Services, task: Task, prefix: int = 0) -> tuple[Episode, list[str]]:
     """One try: acquire a kernel, prepare it for the task, run the agent under the hard timeout (its first `prefix`
-    actions the expert's: context, Step.prefix), release the kernel. Returns the episode and the tool backend
-    errors the host saw during it."""
+    actions the expert's: context, Step.prefix), release the kernel; the episode and the tool backend errors seen."""
     kernel, cfg, env = None, svc.cfg, svc.envs[task.env]
-    policy = svc.policy if not prefix else ExpertPolicy([task], svc.envs, svc.tokenizer, cfg.agent.prefill, svc.policy,
-                                                        prefix)  # fmt: skip
+    policy = ExpertPolicy([task], svc.envs, svc.tokenizer, cfg.agent.prefill, svc.policy, prefix) if prefix else svc.policy
     try:
         kernel = await svc.kernels.acquire()
         await prepare(kernel, env, task, svc.tools, cfg.kernel.exec_timeout)
@@ -172,63 +166,44 @@ async def _attempt(svc: Services, task: Task, prefix: int = 0) -> tuple[Episode,
                 await svc.kernels.release(kernel)
 
 
-async def _healthy(svc: Services) -> bool:
-    try:
-        return bool(await svc.policy.health())
-    except Exception:
-        return False
-
-
 async def _wait_for_server(svc: Services) -> bool:
     """After an inference failure: False if the policy answers /health at once (the request failed), True once it
     answers again after an outage; InferenceDown once the outage has lasted inference.down_after seconds."""
-    if await _healthy(svc):
-        svc.down_since = None
-        return False
-    svc.counters["inference_pauses"] += 1
-    delay = svc.cfg.inference.backoff
+    paused, delay = False, svc.cfg.inference.backoff
     while True:
-        if svc.down_since is None:
-            svc.down_since = time.monotonic()
+        with contextlib.suppress(Exception):  # a /health that raises: not healthy
+            if await svc.policy.health():
+                svc.down_since = None
+                return paused
+        svc.counters["inference_pauses"] += not paused
+        paused, svc.down_since = True, svc.down_since or time.monotonic()  # the deadline of the first to find it down
         left = svc.down_since + svc.cfg.inference.down_after - time.monotonic()
         if left <= 0:
             raise InferenceDown(f"inference server(s) unreachable for {svc.cfg.inference.down_after:g} s "
                                 "(inference.down_after); stopping the run")  # fmt: skip
         await asyncio.sleep(min(delay, left))
-        if await _healthy(svc):
-            svc.down_since = None
-            return True
         delay = min(delay * 2, 10.0)
 
 
 async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, prefix: int = 0) -> Episode:
-    """One finished episode (from the first `prefix` steps of the task's expert: rollout.resample): environment
-    retries and inference pauses (see the module docstring), then its status, mask and score are settled here,
-    the one place an episode is finished."""
-    retries = svc.cfg.rollout.max_retries
+    """One finished episode (from the first `prefix` steps of the task's expert: rollout.resample): environment retries
+    and inference pauses, then its status, mask and score are settled here, the one place an episode is finished."""
+    retries, failures = svc.cfg.rollout.max_retries, {ENV_ERROR: 0, INFERENCE_ERROR: 0}
     async with svc.semaphore:
-        env_failures = inference_failures = 0
         while True:
             ep, backend_errors = await _attempt(svc, task, prefix)
-            if backend_errors and ep.status not in (ENV_ERROR, INFERENCE_ERROR):  # a tool backend failed under it
+            if backend_errors and ep.status not in failures:  # a tool backend failed under it
                 ep.status = ENV_ERROR
                 ep.error = f"{len(backend_errors)} tool backend failure(s), the first: {backend_errors[0]}"
-            if ep.status == INFERENCE_ERROR:
-                if await _wait_for_server(svc):  # an outage that ended; raises InferenceDown if it does not
-                    continue
-                if inference_failures < retries:  # the server is up but this request failed
-                    inference_failures += 1
-                    svc.counters["inference_retries"] += 1
-                    log.warning("episode of task %s: %s; retrying", task.id, ep.error)
-                    continue
-                break
-            if ep.status == ENV_ERROR and env_failures < retries:
-                env_failures += 1
-                svc.counters["env_retries"] += 1
-                log.warning("episode of task %s: environment failure: %s; retrying on a fresh kernel",
-                            task.id, ep.error)
+            if ep.status == INFERENCE_ERROR and await _wait_for_server(svc):  # an outage that ended (or InferenceDown)
                 continue
-            break
+            if failures.get(ep.status, retries) >= retries:  # done, or out of retries
+                break
+            failures[ep.status] += 1  # an environment failure, or the server is up but this request failed
+            env = ep.status == ENV_ERROR
+            svc.counters["env_retries" if env else "inference_retries"] += 1
+            why = f"environment failure: {ep.error}; retrying on a fresh kernel" if env else f"{ep.error}; retrying"
+            log.warning("episode of task %s: %s", task.id, why)
     ep.group, ep.sample = group, sample
     ep.masked = ep.status in (ENV_ERROR, INFERENCE_ERROR)  # after max_retries: a zero-weight placeholder for stats
     _score(ep, svc)
@@ -236,10 +211,9 @@ async def run_one(svc: Services, task: Task, group: int = 0, sample: int = 0, pr
 
 
 def _score(ep: Episode, svc: Services) -> None:
-    """score_episode, where what the environment's score() raises ends no run: raised on the agent's answer (not on
-    none), the episode is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error).
-    Each cause (environment, exception) is counted (svc.counters: the step's metrics) and printed at its 1st, 10th,
-    100th ... episode."""
+    """score_episode, where a score() that raises ends no run: raised on the agent's answer (not on none), the episode
+    is scored as unanswered, the agent's failure; raised on none too, it is masked (env_error). Each cause (environment,
+    exception) is counted in svc.counters (the step's metrics) and printed at its 1st, 10th, 100th ... episode."""
     cfg, env = svc.cfg.reward, svc.envs[ep.task.env]
     try:
         return score_episode(ep, cfg, env)
@@ -340,11 +314,6 @@ class Batch:
     stats: dict
 
 
-def core_reward(ep: Episode) -> float:
-    """The reward dynamic sampling looks at: the environment's answer reward."""
-    return float(ep.rewards.get("core", 0.0))
-
-
 async def _group(svc: Services, task: Task, gi: int, rc: RolloutConfig, draw: random.Random) -> list[Episode]:
     """A group of `rc.n_samples` episodes of one task; with rollout.resample, all from one expert prefix."""
     expert = svc.envs[task.env].expert(task) if rc.resample and draw.random() < rc.resample else None
@@ -368,17 +337,14 @@ def _drop_timeouts(eps: list[Episode], stats: dict, max_dropped: int) -> list[Ep
 
 async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dynamic_sampling: bool = True) -> Batch:
     """`rc.batch_size` groups of `rc.n_samples` episodes for one training step."""
-    t0 = time.perf_counter()
-    counters0 = dict(svc.counters)
+    t0, counters0 = time.perf_counter(), dict(svc.counters)  # to report this batch's time and counts
     max_dropped = int(rc.max_dropped_frac * rc.batch_size * rc.n_samples)
     stats = {"groups_launched": 0, "groups_dropped_ds": 0, "groups_topped_up": 0, "timeouts_dropped": 0,
              "timeouts_kept": 0, "stragglers_cancelled": 0}  # fmt: skip
 
     draw = random.Random(f"{getattr(stream, 'seed', 0)}-{stream.position}")  # which groups start from an expert prefix
 
-    kept: list[list[Episode]] = []
-    dropped: list[list[Episode]] = []  # by dynamic sampling, for topping up
-    running: set[asyncio.Task] = set()
+    kept, dropped, running = [], [], set()  # groups: kept, dropped by dynamic sampling (for topping up), in flight
     extra_left = rc.max_extra_groups if dynamic_sampling else 0
 
     def launch() -> None:
@@ -398,7 +364,7 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
                 if not (eps := _drop_timeouts(eps, stats, max_dropped)):
                     launch()
                     continue
-                rewards = [core_reward(e) for e in eps]
+                rewards = [float(e.rewards.get("core", 0.0)) for e in eps]  # the environment's answer reward
                 if dynamic_sampling and not all(algo.dynamic_sampling_keep(rewards, [0] * len(eps))):
                     stats["groups_dropped_ds"] += 1
                     dropped.append(eps)
@@ -424,8 +390,7 @@ async def collect_batch(svc: Services, stream: TaskStream, rc: RolloutConfig, dy
     episodes = [e for eps in kept for e in eps]
     stats["episodes_masked"] = sum(e.masked for e in episodes)
     stats.update({k: svc.counters[k] - counters0.get(k, 0) for k in svc.counters})
-    stats.update(rollout_seconds=time.perf_counter() - t0, task_position=stream.position)
-    return Batch(episodes, stats)
+    return Batch(episodes, stats | dict(rollout_seconds=time.perf_counter() - t0, task_position=stream.position))
 
 
 class Batches:
@@ -454,9 +419,8 @@ class Batches:
                 self.producer.result()
             self.slots.release()
         batch = get.result() if self.ahead else await self.collect()
-        batch.episodes, stale = drop_stale(batch.episodes, version, self.ahead)
-        batch.stats |= stale
-        return batch
+        kept, stale = drop_stale(batch.episodes, version, self.ahead)
+        return Batch(kept, batch.stats | stale)
 
     async def close(self) -> None:
         if self.producer is not None:

@@ -297,13 +297,12 @@ def check(value, tp, key: str):
         _apply(node := tp(), value, key + ".")
         return node
     if typing.get_origin(tp) is list:
-        (item,) = typing.get_args(tp)
         if isinstance(value, str):
             value = [v for v in value.split(",") if v]
         value = [value] if isinstance(value, dict) else value
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        return [check(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+        return [check(v, typing.get_args(tp)[0], f"{key}[{i}]") for i, v in enumerate(value)]
     if is_number(value) and tp in (float, str):
         return tp(value)
     if tp is float and isinstance(value, str) and re.fullmatch(r"[+-]?(\d+\.?\d*|\.\d+)[eE][+-]?\d+", value):
@@ -320,18 +319,17 @@ def _apply(node, updates: dict, prefix: str = ""):
         if k not in hints:
             raise ConfigError(f"unknown key '{key}' ({prefix.rstrip('.') or 'top level'} has: {', '.join(hints)})")
         current = getattr(node, k)
-        if dataclasses.is_dataclass(current) or isinstance(current, dict):
-            if not isinstance(v, dict):
-                raise ConfigError(f"{key}: expected a section (mapping), got {v!r}")
-            if dataclasses.is_dataclass(current):
-                _apply(current, v, key + ".")
-            else:  # envs: one mapping per environment, merged key by key (its environment checks them)
-                for name, sub in v.items():
-                    if not isinstance(sub, dict):
-                        raise ConfigError(f"{key}.{name}: expected a mapping of that environment's settings, got {sub!r}")
-                    current[name] = current.get(name, {}) | sub
-        else:
+        if not (dataclasses.is_dataclass(current) or isinstance(current, dict)):
             setattr(node, k, check(v, hints[k], key))
+        elif not isinstance(v, dict):
+            raise ConfigError(f"{key}: expected a section (mapping), got {v!r}")
+        elif dataclasses.is_dataclass(current):
+            _apply(current, v, key + ".")
+        else:  # envs: one mapping per environment, merged key by key (its environment checks them)
+            for name, sub in v.items():
+                if not isinstance(sub, dict):
+                    raise ConfigError(f"{key}.{name}: expected a mapping of that environment's settings, got {sub!r}")
+                current[name] = current.get(name, {}) | sub
 
 
 def parse_override(arg: str) -> dict:
@@ -339,11 +337,9 @@ def parse_override(arg: str) -> dict:
     if "=" not in arg:
         raise ConfigError(f"override '{arg}' is not of the form section.key=value")
     path, raw = arg.split("=", 1)
-    *sections, key = path.strip().split(".")
-    out = cur = {}
-    for name in sections:
-        cur = cur.setdefault(name, {})
-    cur[key] = yaml.safe_load(raw) if raw != "" else ""
+    out = yaml.safe_load(raw) if raw != "" else ""
+    for name in reversed(path.strip().split(".")):
+        out = {name: out}
     return out
 
 

@@ -125,9 +125,7 @@ def text_field(row: dict, key: str) -> str:
     """Field `key` of a row as a non-empty string (a number is written out), else RowError."""
     if key not in row:
         raise RowError(f"missing field '{key}'")
-    v = row[key]
-    if is_number(v):
-        v = str(v)
+    v = str(row[key]) if is_number(row[key]) else row[key]
     if not isinstance(v, str) or not v.strip():
         raise RowError(f"field '{key}' must be a non-empty string, got {v!r}")
     return v.strip()

@@ -17,8 +17,7 @@ import torch.distributed as dist
 
 def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, int, torch.device]:
     """Join the torchrun process group (or make a 1-rank one) on `device` (learner.device; cuda: RuntimeError with
-    the reason where it cannot be used). With CUDA the group is "cpu:gloo,cuda:nccl": object collectives run on CPU.
-    """
+    the reason where it cannot be used). With CUDA the group is "cpu:gloo,cuda:nccl": object collectives run on CPU."""
     if device not in ("auto", "cuda", "cpu"):
         raise ValueError(f"learner.device: expected auto, cuda or cpu, got {device!r}")
     cuda = device != "cpu" and torch.cuda.is_available()
@@ -28,8 +27,7 @@ def init_distributed(backend: str = "auto", device: str = "auto") -> tuple[int, 
     if cuda:
         torch.cuda.set_device(device)  # before any collective: nccl's object collectives use the current device
     if not dist.is_initialized():
-        if backend == "auto":
-            backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        backend = ("cpu:gloo,cuda:nccl" if cuda else "gloo") if backend == "auto" else backend
         kw = {"device_id": device} if cuda and "nccl" in backend else {}
         if "RANK" not in os.environ:  # plain python: a group of one, with an in-memory store (no port)
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")

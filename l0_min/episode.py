@@ -94,8 +94,7 @@ class Episode:
             rec = {f.name: getattr(s, f.name) for f in fields(Step)}  # the lists themselves: no copy
             n = len(prev.context_ids) + len(prev.action_ids) if prev else 0
             if prev and s.segment == prev.segment and s.context_ids[:n] == prev.context_ids + prev.action_ids:
-                rec["context_new"] = s.context_ids[n:]
-                del rec["context_ids"]
+                rec["context_new"] = rec.pop("context_ids")[n:]
             d["steps"].append(rec)
         return d
 
@@ -136,8 +135,7 @@ def segment_rows(ep: Episode, step_adv: list[float], weight: float = 1.0) -> lis
     >>> segment_rows(Episode(Task("t", "q", []), [s0, s1]), [1.0, -1.0])[0].mask
     [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     """
-    rows: list[Row] = []
-    by_seg: dict[int, list[tuple[int, Step]]] = {}
+    rows, by_seg = [], {}  # by_seg: segment -> [(step index, step)]
     for i, s in enumerate(ep.steps):
         if s.action_ids:
             by_seg.setdefault(s.segment, []).append((i, s))
@@ -165,9 +163,8 @@ def training_rows(episodes: list[Episode], algo_cfg) -> list[Row]:
                                 algo_cfg.advantage, algo_cfg.gamma, algo_cfg.eps)
     advs = [[0.0] * ep.prefix_steps + a for ep, a in zip(episodes, advs)]
     advs = algo.shape_advantages(advs, algo_cfg.neg_adv_weight, algo_cfg.positive_only)
-    weights = algo.sample_weights([ep.status == ENV_ERROR for ep in episodes],
-                                  [ep.status != ANSWERED for ep in episodes], [ep.n_action_tokens for ep in episodes],
-                                  mask_env_failures=algo_cfg.mask_env_failures,
+    weights = algo.sample_weights([ep.status == ENV_ERROR for ep in episodes], [ep.status != ANSWERED for ep in episodes],
+                                  [ep.n_action_tokens for ep in episodes], mask_env_failures=algo_cfg.mask_env_failures,
                                   max_failed_tokens=algo_cfg.max_failed_tokens)
     return [row for ep, adv, w in zip(episodes, advs, weights) for row in segment_rows(ep, adv, 0 if ep.masked else w)]
 

@@ -151,12 +151,10 @@ async def judge_client(url: str, judge: str, key_env: str | None, tokenizer, pol
     from l0_min.inference import InferenceClient
 
     chat = ChatFormat(tokenizer)
-    async with contextlib.AsyncExitStack() as stack:
-        client = policy
-        if url != "self":
-            client = await stack.enter_async_context(InferenceClient([u for u in url.split(",") if u], cfg.inference))
-            if not await client.health():
-                raise EvalError(f"judge {url}: no server answers /health")
+    client = policy if url == "self" else InferenceClient([u for u in url.split(",") if u], cfg.inference)
+    async with contextlib.nullcontext() if url == "self" else client:  # the policy is its caller's to close
+        if url != "self" and not await client.health():
+            raise EvalError(f"judge {url}: no server answers /health")
 
         async def generate_text(prompt: str) -> str:
             gen = await client.generate(chat.prompt_ids(JUDGE_SYSTEM, prompt),
@@ -181,10 +179,9 @@ def read_results(path: str | Path) -> list[dict]:
 
 
 class ResultsFile(contextlib.AbstractContextManager):
-    """results.jsonl of an evaluation folder, opened for appending (one flushed line a record) under an exclusive
-    lock: a second process on the folder gets an EvalError. `by_key`: the latest record of each (id, sample).
-    `done`: the finished keys; env_error samples (the sandbox or a tool failed, not the model) are not, so a rerun
-    retries them."""
+    """results.jsonl of an evaluation folder, appended to (one flushed line a record) under an exclusive lock: a second
+    process on the folder gets an EvalError. `by_key`: the latest record of each (id, sample). `done`: the finished
+    keys; env_error samples (the sandbox or a tool failed, not the model) are not, so a rerun retries them."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
@@ -196,8 +193,7 @@ class ResultsFile(contextlib.AbstractContextManager):
             self.by_key = {(r["id"], r["sample"]): r for r in read_results(self.path)}
         except BlockingIOError:
             self._lock.close()
-            raise EvalError(f"{self.path.parent} is in use by another evaluate.py (lock file {self._lock.name})") \
-                from None
+            raise EvalError(f"{self.path.parent} is in use by another evaluate.py (lock file {self._lock.name})") from None
         except BaseException:
             self.close()
             raise
@@ -209,13 +205,12 @@ class ResultsFile(contextlib.AbstractContextManager):
         if record.get("status") != ENV_ERROR:
             self.done.add((record["id"], record["sample"]))
 
-    def close(self) -> None:
+    def close(self, *exc) -> None:
         if hasattr(self, "_file"):
             self._file.close()
         self._lock.close()  # releases the flock
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    __exit__ = close
 
 
 def check_run_info(path: str | Path, info: dict) -> None:
@@ -248,11 +243,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-Z95 = 1.959963984540054  # the two-sided 95% quantile of the standard normal
-
-
-def wilson_interval(successes: float, n: int, z: float = Z95) -> tuple[float, float]:
-    """The Wilson score interval of successes / n: unlike p +- z*se, inside [0, 1] and not empty at 0 or n.
+def wilson_interval(successes: float, n: int, z: float = 1.959963984540054) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) of successes / n: unlike p +- z*se, inside [0, 1] and not empty at 0 or n.
 
     >>> [round(x, 4) for x in wilson_interval(8, 10)], [round(x, 4) for x in wilson_interval(0, 10)]
     ([0.4902, 0.9433], [0.0, 0.2775])
@@ -313,8 +305,7 @@ def summarize(records: list[dict], metrics: tuple[str, ...] | list[str], k: int 
          **{key: qmean(lambda r, key=key: float(r.get(key, 0.0))) for key in metrics}}
     m.update(score=m[head], successes=m[head] * len(per_q), score_ci=list(wilson_interval(min(m[head] * len(per_q),
              len(per_q)), len(per_q))), pass_at_k=rate_pass_at_k(lambda r: float(r.get(head, 0.0)) == 1.0),
-             answered=qmean(lambda r: float(r["answered"])),
-             reward=qmean(lambda r: float(r.get("reward", 0.0))),
+             answered=qmean(lambda r: float(r["answered"])), reward=qmean(lambda r: float(r.get("reward", 0.0))),
              steps=None if any(r.get("steps") is None for r in records) else qmean(lambda r: float(r["steps"])),
              incomplete_questions=sum(len(rs) < k for rs in per_q),
              status=dict(sorted(Counter(r["status"] for r in records).items())))  # fmt: skip

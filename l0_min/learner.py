@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import inspect
 import json
 import math
 import random
@@ -33,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from l0_min import loss as losses
-from l0_min.distributed import all_reduce, init_distributed
+from l0_min.distributed import all_reduce, from_rank0, init_distributed
 from l0_min.config import AlgoConfig, LearnerConfig
 from l0_min.episode import Row
 
@@ -187,12 +186,12 @@ def _flash_varlen(module: str):
 
 
 def _torch_varlen(repeat: bool):
-    """torch's `varlen_attn`, causal as `window_size=(-1, 0)`. Its flash kernel shares K/V heads itself (GQA: torch
-    2.13 asks for `enable_gqa`, 2.11 has no such argument); where it does not (`repeat`), the shared heads are
-    repeated first, as transformers' own `repeat_kv` does."""
+    """torch's `varlen_attn`, causal as `window_size=(-1, 0)`. Its flash kernel shares K/V heads itself (GQA, asked
+    for with `enable_gqa`); where it does not (`repeat`), the shared heads are repeated first, as transformers' own
+    `repeat_kv` does."""
     from torch.nn.attention.varlen import varlen_attn
 
-    kw = {"enable_gqa": True} if not repeat and "enable_gqa" in inspect.signature(varlen_attn).parameters else {}
+    kw = {} if repeat else {"enable_gqa": True}
 
     def run(q, k, v, cu, n, scale):
         if repeat and k.shape[1] != q.shape[1]:
@@ -202,8 +201,7 @@ def _torch_varlen(repeat: bool):
     return run
 
 
-# (module, how to load its kernel) in order of preference; flash-attn 4 last: its CuTe kernels compile at the first
-# use of each configuration
+# (module, how to load its kernel) in order of preference; flash-attn 4 last: its CuTe kernels compile at each first use
 VARLEN_KERNELS = {"flash_attn": ("flash_attn", lambda: _flash_varlen("flash_attn")),
                   "flash_attn_interface": ("flash_attn_interface", lambda: _flash_varlen("flash_attn_interface")),
                   "torch_varlen": ("torch.nn.attention.varlen", lambda: _torch_varlen(repeat=False)),
@@ -235,8 +233,7 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> tuple:
         try:
             if importlib.util.find_spec(module) is None:
                 continue
-            kernel = load()
-            _probe_varlen(kernel, device, dtype)
+            _probe_varlen(kernel := load(), device, dtype)
             return kernel, name, "; ".join(skipped)
         except Exception as e:  # noqa: BLE001 -- an import, a missing device kernel, a wrong answer: the next one
             skipped.append(f"{name}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
@@ -345,27 +342,23 @@ def token_logprobs(model, ids: torch.Tensor, pos: torch.Tensor, need: torch.Tens
     """log p(ids[t] | ids[<t]) at `temperature` of a packed sequence at the positions `need` marks (default: all;
     `packed`: `packing(pos, need)` worked out ahead), 0 elsewhere. Only those go through the LogProbHead lm_head."""
     cu, longest, idx = packing(pos, need) if packed is None else packed  # idx: t; their logits are t - 1's
-    head = model.lm_head
-    head.targets, head.inv_t = ids[idx], 1.0 / (temperature or 1.0)  # T = 0 (greedy): the raw distribution
+    model.lm_head.targets, model.lm_head.inv_t = ids[idx], 1.0 / (temperature or 1.0)  # T = 0 (greedy): raw logits
     logp = model(input_ids=ids[None], position_ids=pos[None], use_cache=False, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                  max_length_q=longest, max_length_k=longest, logits_to_keep=idx - 1).logits.reshape(-1)
     return logp.new_zeros(len(ids)).index_put((idx,), logp)
 
 
 # ---------------------------------------------------------------------------------- the learner
-def _lr_lambda(cfg: LearnerConfig, total_steps: int):
-    def f(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "cosine":
-            progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
-            cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-            return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos
-        if cfg.schedule != "constant":
-            raise ValueError(f"learner.schedule: unknown schedule {cfg.schedule!r} (constant | cosine)")
-        return 1.0
-
-    return f
+def _lr_factor(cfg: LearnerConfig, total_steps: int, step: int) -> float:
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "cosine":
+        progress = (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps)
+        cos = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cos
+    if cfg.schedule != "constant":
+        raise ValueError(f"learner.schedule: unknown schedule {cfg.schedule!r} (constant | cosine)")
+    return 1.0
 
 
 def add_lora(model: torch.nn.Module, cfg: LearnerConfig) -> torch.nn.Module:
@@ -392,7 +385,6 @@ def merge_lora(sd: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.T
 
 
 # ---------------------------------------------------------------------- speed paths (torchtitan's style)
-# apply_* functions over the plain model, chosen by learner.* settings, composed in `_build` (not in train_step)
 def _layers(model: torch.nn.Module):
     if (layers := getattr(getattr(model, "model", model), "layers", None)) is None:
         raise ValueError(f"{type(model).__name__}: expected decoder layers at model.model.layers")
@@ -441,16 +433,14 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn)
     model.config.use_cache = False
     model.lm_head.__class__ = LogProbHead
-    if cfg.lora_rank > 0:
-        add_lora(model, cfg)
+    model = add_lora(model, cfg) if cfg.lora_rank > 0 else model
     apply_activation_checkpointing(model, cfg.activation_checkpointing if train else "none")
     apply_compile(model, cfg.compile)
     if mixed and not train:  # the frozen reference is kept in the compute dtype: what every gather cast it to anyway
         for x in model.parameters():
             x.data = x.data.to(torch.bfloat16)
     kw = {"mesh": init_device_mesh(device.type, (dist.get_world_size(),))}  # the learner's device, not the host's GPU
-    if mixed:
-        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw |= {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
     layers, k = list(_layers(model)), cfg.fsdp_unit
     if k < 1:
         raise ValueError(f"learner.fsdp_unit: expected >= 1 decoder layers, got {k}")
@@ -458,8 +448,7 @@ def _build(config, attn: str, cfg: LearnerConfig, mixed: bool, device, full_sd: 
         fully_shard(m, **kw)
     model.eval()  # dropout off (the checkpointing above is ours, not transformers' training-mode one)
     model.to_empty(device=device)  # then the broadcast lands on the device (a meta model would be loaded on CPU)
-    # a copy: set_model_state_dict puts the sharded tensors into the dict it is given (the KL reference's
-    # build would broadcast the policy's DTensors)
+    # a copy: set_model_state_dict puts sharded tensors into its dict (the KL reference would get the policy's DTensors)
     set_model_state_dict(model, dict(full_sd), options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     for name, b in buffers.items():  # non-persistent buffers (rotary inv_freq) are not in any state dict
         model.get_buffer(name).copy_(b)
@@ -480,20 +469,16 @@ class Learner:
         self.rank, self.world, self.device = init_distributed(cfg.backend, cfg.device)
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        cuda = self.device.type == "cuda"
-        mixed = cuda if cfg.mixed_precision is None else cfg.mixed_precision
-        # rank 0 alone reads the checkpoint (one host copy instead of one per rank) and broadcasts it
-        full_sd, shared = {}, [None]
+        mixed = self.device.type == "cuda" if cfg.mixed_precision is None else cfg.mixed_precision
+        full_sd, shared = {}, None  # rank 0 alone reads the checkpoint (one host copy, not one per rank), broadcasts it
         if self.rank == 0:
             cpu = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32) if weights is None else weights
             cpu = add_lora(cpu, cfg) if cfg.lora_rank > 0 else cpu  # the adapters' init travels with the weights
             full_sd = cpu.state_dict()
-            n = {"lora_": 0, "": 0}  # parameters: the adapters', the base model's
-            for name, x in cpu.named_parameters():
-                n["lora_" if "lora_" in name else ""] += x.numel()
-            shared = [(dict(cpu.named_buffers()), n[""], n["lora_"] or n[""])]
-        dist.broadcast_object_list(shared, src=0)
-        buffers, n_params, n_train = shared[0]
+            lora = sum(x.numel() for name, x in cpu.named_parameters() if "lora_" in name)  # the adapters' parameters
+            base = sum(x.numel() for x in cpu.parameters()) - lora
+            shared = dict(cpu.named_buffers()), base, lora or base
+        buffers, n_params, n_train = from_rank0(shared)
         config = AutoConfig.from_pretrained(self.model_path)
         if (room := free_memory(self.device)) is not None:  # what it needs against what is free, before it allocates
             check_memory(config, n_params, n_train, cfg, self.world, mixed, algo_cfg.kl_coef > 0, room, self.device.index)
@@ -510,7 +495,7 @@ class Learner:
         """A fresh AdamW (fused on CUDA) and schedule, for a new phase (SFT, then RL at its own learning rate)."""
         self.opt = torch.optim.AdamW(self.params, lr=lr, betas=tuple(self.cfg.betas), weight_decay=self.cfg.weight_decay,
                                      fused=self.device.type == "cuda" or None)
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _lr_lambda(self.cfg, total_steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, functools.partial(_lr_factor, self.cfg, total_steps))
 
     # -- one RL update -------------------------------------------------------------------------
     def train_step(self, rows: list[Row], sft: bool = False) -> dict:
@@ -557,8 +542,7 @@ class Learner:
                     kl = (losses.kl_penalty(logp, ref_logps[i], a.kl_estimator) * b["mask"]).sum() / max(n_global, 1.0)
                     loss = loss + a.kl_coef * kl
                     stats["kl"] += kl.detach() if epoch == 0 else 0.0
-                # FSDP averages gradients over ranks; scaling by world size makes the result the
-                # gradient of (global-batch sum / n_global), independent of how rows are split
+                # FSDP averages over ranks: x world is the gradient of (global-batch sum / n_global), however rows are split
                 (loss * self.world).backward()
                 if epoch == 0:
                     stats["loss"] += loss.detach()  # (sums on the device: no sync per micro-batch)
@@ -575,9 +559,8 @@ class Learner:
         self.step += 1
         stats = self._reduce(stats, gap, sft)
         secs = time.perf_counter() - t0
-        stats.update(lr=self.sched.get_last_lr()[0], action_tokens=n_global, tokens=n_processed, train_seconds=secs,
-                     tokens_per_s=n_processed / max(secs, 1e-9))
-        return stats
+        return stats | dict(lr=self.sched.get_last_lr()[0], action_tokens=n_global, tokens=n_processed,
+                            train_seconds=secs, tokens_per_s=n_processed / max(secs, 1e-9))
 
     def _correct(self, b: dict, stats: dict, gap: dict) -> dict:
         """Micro-batch `b`'s mask times its behaviour correction (loss.behaviour_weights), counted in `stats`; returns
@@ -594,19 +577,16 @@ class Learner:
 
     def _reduce(self, stats: dict, gap: dict, sft: bool) -> dict:
         """The step's numbers over every rank (each holds its share), read back once."""
-        keys = ("loss", "pg_loss", "kl", "clip_frac", "truncated", "masked", "tokens", "abs_log_ratio_sum", "k3_sum",
-                "chunks", "chunk_abs_log_ratio_sum")
+        keys = [k for k in stats | gap if k != "grad_norm" and not k.endswith("_max")]  # the sums
         sums = dict(zip(keys, all_reduce([(stats | gap)[k] for k in keys], self.device)))
-        gap_max, chunk_max = all_reduce([gap["abs_log_ratio_max"], gap["chunk_abs_log_ratio_max"]], self.device,
-                                        op=dist.ReduceOp.MAX)
+        gap_max, chunk_max = all_reduce([gap[k] for k in gap if k.endswith("_max")], self.device, op=dist.ReduceOp.MAX)
         out = {k: sums[k] for k in ("loss", "pg_loss", "kl", "clip_frac")} | {"grad_norm": float(stats["grad_norm"])}
         if not sft:  # sampler vs learner on the action tokens (loss.mismatch), and what the correction did
             n = max(sums["tokens"], 1.0)
             out.update({"mismatch/abs_log_ratio_mean": sums["abs_log_ratio_sum"] / n, "mismatch/abs_log_ratio_max": gap_max,
                         "mismatch/chunk_abs_log_ratio_mean": sums["chunk_abs_log_ratio_sum"] / max(sums["chunks"], 1.0),
-                        "mismatch/chunk_abs_log_ratio_max": chunk_max,
-                        "mismatch/kl_k3": sums["k3_sum"] / n, "tis/truncated_frac": sums["truncated"] / n,
-                        "tis/masked_frac": sums["masked"] / n})  # fmt: skip
+                        "mismatch/chunk_abs_log_ratio_max": chunk_max, "mismatch/kl_k3": sums["k3_sum"] / n,
+                        "tis/truncated_frac": sums["truncated"] / n, "tis/masked_frac": sums["masked"] / n})  # fmt: skip
         return out
 
     # -- weights out ---------------------------------------------------------------------------
@@ -648,8 +628,7 @@ class Learner:
         """Model + optimizer (torch.distributed.checkpoint), scheduler, step, RNG, caller's extra."""
         ckpt_dir = Path(ckpt_dir)
         dcp.save(self._dcp_state(), checkpoint_id=str(ckpt_dir / "dcp"))
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-        torch.save(rng, ckpt_dir / f"rng_rank{self.rank}.pt")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, ckpt_dir / f"rng_rank{self.rank}.pt")
         if self.rank == 0:
             meta = {"step": self.step, "sched": self.sched.state_dict(), "extra": extra or {}}
             (ckpt_dir / "learner.json").write_text(json.dumps(meta))

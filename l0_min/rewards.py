@@ -77,5 +77,4 @@ def score_episode(ep: Episode, cfg: RewardConfig, env) -> None:
     ep.reward = total = (cfg.answer_weight * core + cfg.format_weight * fmt + cfg.exec_weight * exe
                          + cfg.step_weight * sum(step))
     ep.rewards = {**scores, "core": core, "format": fmt, "exec": exe, "total": total}
-    if cfg.step_weight:
-        ep.rewards["step"] = sum(step)
+    ep.rewards |= {"step": sum(step)} if cfg.step_weight else {}

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from .collect import Services
-from .config import Config
+from .config import Config, SandboxConfig
 from .inference import InferenceClient
 from .sandbox import bwrap, cgroup
 from .sandbox.pool import KernelPool
@@ -34,20 +34,9 @@ from .sandbox.tools import ToolServer
 log = logging.getLogger(__name__)
 
 
-def start_embedded_server(cfg: Config, model_path: str | Path, log_dir: str | Path | None = None):
-    """Start `python -m l0_min.serve` on the model; returns (process, url)."""
-    log_path = Path(log_dir) / "server.log" if log_dir else None
-    args = ["--dtype", cfg.model.serving_dtype(cuda=False), *cfg.inference.embedded_args]
-    if "--threads" not in args:
-        # a core left to the kernels and the event loop: threads contending with them for every core run slower
-        args += ["--threads", str(max(1, (os.cpu_count() or 1) - 1))]
-    return start_server_process(str(model_path), port=cfg.inference.embedded_port, extra_args=args, log_path=log_path)
-
-
-def check_sandbox(cfg) -> None:
-    """Run `true` in one sandbox built like a kernel's (bwrap.command: the same namespaces, mounts and
-    limits): where bwrap cannot create namespaces (GPU containers often), stop here with one line
-    instead of turning every episode into env_error. `cfg` is the sandbox section."""
+def check_sandbox(cfg: SandboxConfig) -> None:
+    """Run `true` in one sandbox built like a kernel's (bwrap.command: the same namespaces, mounts and limits): where
+    bwrap cannot create namespaces (GPU containers often), stop here with one line, not an env_error per episode."""
     if not cfg.enabled:
         return
     lease = bwrap.UidLease(cfg) if bwrap.runs_as_root() else None
@@ -62,11 +51,10 @@ def check_sandbox(cfg) -> None:
         lines = p.stderr.strip().splitlines() or [f"exit status {p.returncode}"]
         cause = next((line for line in lines if line.startswith("bwrap:")), lines[-1])
         raise bwrap.SandboxError(
-            f"sandbox: bwrap cannot start a sandbox here ({cause}). Options: run the container with "
-            "--security-opt seccomp=unconfined --security-opt apparmor=unconfined (plus --cap-add SYS_ADMIN when "
-            "it runs as root), or allow unprivileged user namespaces on the host "
-            "(sysctl kernel.apparmor_restrict_unprivileged_userns=0); or set sandbox.enabled=false to run kernels "
-            "without a sandbox (unsafe; logged)")
+            f"sandbox: bwrap cannot start a sandbox here ({cause}). Options: run the container with --security-opt "
+            "seccomp=unconfined --security-opt apparmor=unconfined (plus --cap-add SYS_ADMIN when it runs as root), or "
+            "allow unprivileged user namespaces on the host (sysctl kernel.apparmor_restrict_unprivileged_userns=0); "
+            "or set sandbox.enabled=false to run kernels without a sandbox (unsafe; logged)")
 
 
 async def sync_weights(policy: InferenceClient, folder: Path, version: str) -> None:
@@ -118,8 +106,12 @@ async def policy_client(cfg: Config, model_path: str | Path, log_dir: str | Path
         urls = list(cfg.inference.urls)
         if cfg.inference.worker_urls and not urls:
             raise ValueError("inference.worker_urls needs inference.urls (the URL(s) that generate)")
-        if not urls:
-            proc, url = await asyncio.to_thread(start_embedded_server, cfg, model_path, log_dir)
+        if not urls:  # `python -m l0_min.serve` on the model
+            args = ["--dtype", cfg.model.serving_dtype(cuda=False), *cfg.inference.embedded_args]
+            if "--threads" not in args:  # a core left to the kernels and the loop: threads contending with them run slower
+                args += ["--threads", str(max(1, (os.cpu_count() or 1) - 1))]
+            proc, url = await asyncio.to_thread(start_server_process, str(model_path), port=cfg.inference.embedded_port,
+                                                extra_args=args, log_path=Path(log_dir) / "server.log" if log_dir else None)
             stack.callback(stop_server_process, proc)
             urls = [url]
             log.info("embedded inference server at %s (log: %s)", url, proc.log_path)
@@ -150,8 +142,7 @@ async def rollout_env(cfg: Config, model_path: str | Path, tokenizer, tasks: lis
         if backend is not None and hasattr(backend, "close"):
             stack.push_async_callback(backend.close)
         t = cfg.tools
-        tools = ToolServer(backend, timeout=t.timeout, snippet_chars=t.snippet_chars, page_chars=t.page_chars,
-                           top_k=t.top_k)
+        tools = ToolServer(backend, timeout=t.timeout, snippet_chars=t.snippet_chars, page_chars=t.page_chars, top_k=t.top_k)
         await tools.start()
         stack.push_async_callback(tools.close)
         pool = KernelPool(cfg.sandbox, cfg.kernel, tools)

@@ -41,8 +41,7 @@ class TaskEnv(Protocol):
     def step_rewards(self, ep: Episode) -> list[float]: ...  # optional: one per step of ep.steps (rewards.score_episode)
 
 
-REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", "tools", "system_prompt",
-            "worked_example")  # fmt: skip
+REQUIRED = ("tasks", "prompt", "files", "score", "expert", "corpus", "metrics", "tools", "system_prompt", "worked_example")
 
 
 class TaskEnvBase:
@@ -95,12 +94,10 @@ def load_env(spec: str, cfg) -> TaskEnv:
     module = f"l0_min.envs.{spec}" if spec in BUILTIN else spec
     try:
         mod = importlib.import_module(module)
-    except ModuleNotFoundError as e:
-        if e.name and module.startswith(e.name):  # the module itself (or its package) is not there
+    except Exception as e:  # noqa: BLE001 -- a bug in the module: its own exception, in one line
+        if isinstance(e, ModuleNotFoundError) and e.name and module.startswith(e.name):  # it (or its package) is missing
             raise ValueError(f"env {spec!r}: no module {e.name!r} (built-in: {', '.join(BUILTIN)}, or a module path "
                              "on PYTHONPATH that defines make_env(cfg))") from None
-        raise ValueError(f"env {spec!r}: importing {module} failed: {type(e).__name__}: {e}") from None
-    except Exception as e:  # noqa: BLE001 -- a bug in the module: its own exception, in one line
         raise ValueError(f"env {spec!r}: importing {module} failed: {type(e).__name__}: {e}") from None
     if not callable(make := getattr(mod, "make_env", None)):
         raise ValueError(f"env {spec!r}: module {module} defines no make_env(cfg)")
