@@ -113,7 +113,9 @@ def hostile_answers() -> list[str]:
 
 def test_property_no_answer_makes_a_built_in_environment_score_raise():
     """Issue 34: submit_final_answer("1" * 400) made math's grader raise OverflowError and ended the run. Every
-    built-in environment scores every hostile answer: no exception, core in [0, 1], each within a second."""
+    built-in environment scores every hostile answer: no exception, core in [0, 1], each within a second of this
+    process's CPU time (a guard against a grader's quadratic or exponential path, not a speed target: CPU time, so
+    other work on the machine does not count)."""
     import time
 
     from l0_min.envs.files import make_tasks as file_tasks
@@ -126,9 +128,9 @@ def test_property_no_answer_makes_a_built_in_environment_score_raise():
         env = load_env(name, configlib.resolve([f"env={name}"]))
         for t in ts:
             for answer in hostile_answers():
-                t0 = time.perf_counter()
+                t0 = time.process_time()
                 core = env.score(Episode(t, final_answer=answer))["core"]
-                assert 0.0 <= core <= 1.0 and time.perf_counter() - t0 < 1.0, (name, t.answers, str(answer)[:40], core)
+                assert 0.0 <= core <= 1.0 and time.process_time() - t0 < 1.0, (name, t.answers, str(answer)[:40], core)
 
 
 @pytest.mark.slow
