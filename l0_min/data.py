@@ -200,19 +200,20 @@ def _reachable(url: str, timeout: float = 3.0) -> bool:
     import urllib.error
     import urllib.request
 
-    answered = threading.Event()
+    done, answered = threading.Event(), []
 
     def probe():
         try:
             urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout)
+            answered.append(True)
         except urllib.error.HTTPError:  # an answer all the same
+            answered.append(True)
+        except Exception:  # no name lookup, no route, refused, timed out: said at once, not at the timeout
             pass
-        except Exception:  # no name lookup, no route, refused, timed out
-            return
-        answered.set()
+        done.set()
 
     threading.Thread(target=probe, daemon=True).start()  # a stalled name lookup is left behind
-    return answered.wait(timeout)
+    return done.wait(timeout) and bool(answered)
 
 
 def _from_hub(name: str, repo: str, filename: str) -> Path:
