@@ -77,6 +77,7 @@ def test_every_shipped_config_runs_two_rl_steps_on_two_ranks(path, tmp_path):
             assert configlib_get(ran, key) == value, key
 
 
+@pytest.mark.slow  # train.py in a subprocess: 4 s of imports
 def test_a_cuda_config_without_cuda_stops_at_start_up_with_one_line(tmp_path):
     """configs/gpu_example.yaml says learner.device: cuda. Where torch cannot use CUDA (here: a CPU build, or a
     GPU hidden by CUDA_VISIBLE_DEVICES) train.py stops before loading anything, with one line naming the cause
