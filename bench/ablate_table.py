@@ -7,7 +7,9 @@ from pathlib import Path
 from l0_min.evaluation import two_proportion_z_test, wilson_interval
 from l0_min.log import read_jsonl
 
-HOPS = ("hop1", "hop2", "hop3", "em")  # QA's per-hop success (envs/qa.py hop_metrics) and the answer right
+HOPS = ("hop1", "hop2", "hop3", "em", "ref_missed", "ref_recovered")  # QA's per-hop success, the answer right, a
+# read_page of no page (a mistyped ref) and a page read after it (envs/qa.py hop_metrics)
+LABEL = {"em": "right", "ref_missed": "miss", "ref_recovered": "recov"}
 
 
 def evaluation(run: Path) -> dict:
@@ -73,7 +75,7 @@ def report(results: dict, arms: list[str], worlds: list[int], seeds: int, first:
             hop_cols = [h for h in HOPS if any(h in r.get("hops", {}) for a in arms for r in runs[a])] if env == "qa" else []
             print(f"\n{env}, {mode}, worlds {','.join(map(str, worlds))} pooled (start {rate(start)}, {start[1]} episodes):")
             print(f"{'arm':<{width}} {'runs':>4} {'end (95% CI)':>17} {'gain':>7} {'p':>7}  {'per world':<24}"
-                  + "".join(f" {h.replace('em', 'right'):>5}" for h in hop_cols) + " collapsed")
+                  + "".join(f" {LABEL.get(h, h):>5}" for h in hop_cols) + " collapsed")
             for arm in arms:
                 if not (end := pooled(runs[arm], mode, key)):
                     continue
