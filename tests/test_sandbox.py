@@ -315,6 +315,44 @@ def test_a_removed_cgroup_reads_as_empty_and_not_killed():
     assert c.dirs == [] and c.held() == 0 and c.oom() == ""
 
 
+@pytest.mark.parametrize("host_stalls", [False, True])
+def test_a_read_that_costs_cpu_kills_its_sandbox_unless_the_host_was_reclaiming_memory_in_it(monkeypatch, host_stalls):
+    """A read costing over SLOW s of CPU is the sandbox's doing (millions of mappings: tests/test_adversarial.py 20),
+    except when the host stalled on memory meanwhile: on a host out of memory every read pays for the kernel's
+    reclaim (seen: four innocent kernels killed at 0.3-1.3 s while an SFT run filled the host's 24 GiB)."""
+    import asyncio
+    import time
+
+    from l0_min.sandbox import cgroup
+
+    clock = iter(range(0, 1000, 2))  # each look at PSI: 2 s more of the host's tasks waiting for memory
+    monkeypatch.setattr(cgroup, "stalled", (lambda: float(next(clock))) if host_stalls else (lambda: 0.0))
+
+    reads = []
+
+    def burn():  # a read costing CPU, as a page-table walk or a reclaim does
+        reads.append(t := time.thread_time())
+        while time.thread_time() - t < 2 * cgroup.SLOW:
+            pass
+        return 0
+
+    async def main():
+        killed = []
+
+        async def kill(why):
+            killed.append(why)
+
+        cgroup.watch("read", burn, 1 << 30, kill)
+        t0 = time.monotonic()
+        while not killed and len(reads) < 2 and time.monotonic() - t0 < 30:  # the first read judged, a second begun
+            await asyncio.sleep(0.01)
+        cgroup.unwatch("read")
+        return killed
+
+    killed = asyncio.run(main())
+    assert killed == ([] if host_stalls else [f"reading its memory cost the host 0.5 s of CPU (more than {cgroup.SLOW:g} s)"])
+
+
 def test_the_memory_watch_reads_each_sandbox_on_its_own_so_a_slow_one_delays_no_other():
     """Issue 44: the watch read every sandbox in turn, so one slow to read (millions of mappings: seconds) delayed every
     other's limit by as much. Now each is read in a thread of its own: a sandbox past its limit beside one whose read

@@ -8,7 +8,7 @@ logs it). The sandbox's launcher shell joins them before it execs bwrap (bwrap.c
 
 All sandboxes together get SHARE of the memory available at start-up. The OOM killer ranks by resident memory, which
 memfds and tmpfs files are not: the host chooses. `watch` reads every PERIOD s, each in a thread (one costing over SLOW
-s of CPU kills it), what each sandbox holds (`held`, or `pss`). Past HIGH of the share (v1: the OOM killer is off at the
+s of CPU kills it, unless the host was reclaiming memory in it), what each sandbox holds (`held`, or `pss`). Past HIGH of the share (v1: the OOM killer is off at the
 shared limit, v2: memory.high throttles) it kills, as its own doing, one holding half the share, else the one that grew
 the most in the last second (oomd's size-or-growth rule), and without a cgroup one past its own limit (memfds and SysV
 shm are refused then: bwrap).
@@ -196,6 +196,17 @@ def pss(pid: int, mounts: tuple[str, ...] = ()) -> int:
     return total
 
 
+def stalled() -> float:  # s the host's tasks have waited for memory (PSI, Linux 4.20+; 0 where it does not say)
+    with contextlib.suppress(OSError, TypeError):
+        return int(re.search(r"^some .*total=(\d+)", _read("/proc/pressure/memory"))[1]) / 1e6
+    return 0.0
+
+
+def _timed(read) -> tuple[int, float, float]:  # what a sandbox holds; the CPU s reading it cost; the host's stall then
+    cpu, stall = time.thread_time(), stalled()
+    return read(), time.thread_time() - cpu, stalled() - stall
+
+
 def oom_kills() -> int:  # the host's OOM kills since boot (/proc/vmstat, Linux 4.13+; 0 where it does not say)
     return int(m[1]) if (m := re.search(r"\boom_kill (\d+)", _read("/proc/vmstat"))) else 0
 
@@ -221,13 +232,13 @@ def unwatch(key, why: str = "") -> None:
 async def _watch() -> None:
     share, loop, held, reads, past = int(available_mb() * SHARE), asyncio.get_running_loop(), {}, {}, [{}]  # past: 1 s
     while _watched:  # one read per sandbox at a time, each in a thread (a slow one delays its own), timed in its CPU
-        reads |= {key: loop.run_in_executor(None, lambda r=read: (time.thread_time(), r(), time.thread_time()))
-                  for key, (read, _, _) in _watched.items() if key not in reads}
+        reads |= {key: loop.run_in_executor(None, _timed, read) for key, (read, _, _) in _watched.items()
+                  if key not in reads}
         await asyncio.wait(reads.values(), timeout=PERIOD)
         for key in [key for key, f in reads.items() if f.done()]:
-            cpu, held[key], done = reads.pop(key).result()
-            if done - cpu > SLOW:
-                unwatch(key, f"reading its memory cost the host {done - cpu:.1f} s of CPU (more than {SLOW:g} s)")
+            held[key], cost, stall = reads.pop(key).result()
+            if cost > SLOW and stall < cost / 2:  # the CPU not the host's own reclaim of memory (it stalls tasks)
+                unwatch(key, f"reading its memory cost the host {cost:.1f} s of CPU (more than {SLOW:g} s)")
         held = {key: n for key, n in held.items() if key in _watched}
         for key, n in list(held.items()):
             if (limit := _watched[key][1]) and n > limit:
