@@ -17,6 +17,7 @@ ARMS = "reinforce++:step:overlap:learner.lr=2e-4,grpo:chunk:resample"
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # six train.py runs (two worlds: an SFT and two arms each), then a rerun
 def test_the_ablation_gives_each_world_its_own_sft_start_its_arms_share_and_resumes(tmp_path):
     cmd = [sys.executable, "bench/ablate.py", "--quick", "--config", "configs/tiny_test.yaml", "--arms", ARMS,
            "--worlds", "0,1", "--out", str(tmp_path)]  # fmt: skip
