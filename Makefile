@@ -74,7 +74,7 @@ gpu-smoke:
 # environment file (a new one needs its cap here). make size fails above any of them; make test and make test-fast
 # run it first. Raising a cap is a one-line change here, in a commit that says why; it should be rare: delete before
 # you add, and moving prose out of the code does not make the code smaller.
-CORE_CAP   := 8399
+CORE_CAP   := 8321
 README_CAP := 250
 ENV_CAPS   := qa.py:1000 math.py:320 files.py:400
 size:
