@@ -8,10 +8,10 @@ logs it). The sandbox's launcher shell joins them before it execs bwrap (bwrap.c
 
 All sandboxes together get SHARE of the memory available at start-up. The OOM killer ranks by resident memory, which
 memfds and tmpfs files are not: the host chooses. `watch` reads every PERIOD s, each in a thread (one costing over SLOW
-s of CPU kills it, unless the host was reclaiming memory in it), what each sandbox holds (`held`, or `pss`). Past HIGH of the share (v1: the OOM killer is off at the
-shared limit, v2: memory.high throttles) it kills, as its own doing, one holding half the share, else the one that grew
-the most in the last second (oomd's size-or-growth rule), and without a cgroup one past its own limit (memfds and SysV
-shm are refused then: bwrap).
+s of CPU kills it, unless the host was reclaiming memory in it), what each sandbox holds (`held`, or `pss`). Past HIGH
+of the share (v1: the OOM killer is off at the shared limit, v2: memory.high throttles) it kills, as its own doing, one
+holding half the share, else the one that grew the most in the last second (oomd's size-or-growth rule), and without a
+cgroup one past its own limit (memfds and SysV shm are refused then: bwrap).
 """
 
 from __future__ import annotations
