@@ -445,7 +445,7 @@ async def test_real_kernel_notepad_too_big_ends_with_max_tokens(env):
     assert ep.status == MAX_TOKENS and ep.truncations == 0 and "notepad of 1" in ep.error
 
 
-@pytest.mark.slow  # waits out retries / a kernel's interrupt grace: make test, not test-fast
+@pytest.mark.slow  # waits out the 2 s wall-time budget in a real kernel: make test, not test-fast
 @real
 async def test_real_kernel_wall_time_budget_interrupts_a_long_cell(env):
     cfg = config(max_wall_seconds=2.0)

@@ -316,7 +316,7 @@ async def test_inference_server_stopped_and_restarted_mid_rollout():
     assert env.kernels.in_use == 0
 
 
-@pytest.mark.slow  # waits out retries / a kernel's interrupt grace: make test, not test-fast
+@pytest.mark.slow  # waits out the client's retries until inference.down_after (~3 s): make test, not test-fast
 async def test_inference_server_down_for_good_stops_with_inference_down():
     cfg = config(batch_size=4, n_samples=2)
     cfg.inference.down_after = 1.0

@@ -161,7 +161,7 @@ async def test_timeout_interrupts_and_keeps_the_kernel(kernels):
     assert (await a.execute("kept")).result == "'yes'" and a.is_alive()
 
 
-@pytest.mark.slow  # waits out retries / a kernel's interrupt grace: make test, not test-fast
+@pytest.mark.slow  # waits out the interrupt's grace before the kill (~2.5 s): make test, not test-fast
 async def test_a_cell_that_ignores_the_interrupt_is_killed(kernels):
     k = kernels["spares"][0]
     r = await k.execute("import re\nre.match(r'(a+)+$', 'a' * 40 + 'b')", timeout=1.0)  # never checks signals
