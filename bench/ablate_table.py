@@ -14,8 +14,8 @@ LABEL = {"em": "right", "ref_missed": "miss", "ref_recovered": "recov"}
 
 def evaluation(run: Path) -> dict:
     """The held-out evaluations of a run's last evaluated step (every one there: none is left out): sampled and greedy
-    [successes, n], overall and per environment; QA's hops [found, episodes]; the share of cells that ran; steps per
-    episode; rebuild share."""
+    [successes, n], overall and per environment; QA's hops [found, episodes] and right answers by kind; the share of
+    cells that ran; steps per episode; rebuild share."""
     records = read_jsonl(run / "metrics.jsonl")
     last = max(r["step"] for r in records if "eval/score" in r)
     at = lambda key: [r for r in records if r["step"] == last and f"{key}score" in r]  # noqa: E731
@@ -27,10 +27,16 @@ def evaluation(run: Path) -> dict:
                 if at(f"eval/greedy/{prefix(n)}") else None} for n in names}  # fmt: skip
     hops = {h: [sum(e["rewards"].get(h) == 1.0 for e in eps if h in e["rewards"] and "hop1" in e["rewards"]),
                 sum(h in e["rewards"] and "hop1" in e["rewards"] for e in eps)] for h in HOPS}
+    kinds = {}  # QA's right answers by question kind and hops, [right, episodes]: where the hops do not lead to answers
+    for e in (e for e in eps if "hop1" in e["rewards"]):
+        m = e["task"].get("meta", {})
+        kind = kinds.setdefault(f"{m.get('kind', '?')} {m.get('hops', '?')}-hop", [0, 0])
+        kind[0], kind[1] = kind[0] + (e["rewards"].get("em") == 1.0), kind[1] + 1
     ran = [s["exec_ok"] for e in eps for s in e["steps"] if s["exec_ok"] is not None]
     return {"step": last, "sampled": pooled("eval/"), "greedy": pooled("eval/greedy/") if at("eval/greedy/") else None,
             "envs": envs, "hops": {h: v for h, v in hops.items() if v[1]}, "exec": sum(ran) / len(ran) if ran else 0.0,
-            "steps": sum(len(e["steps"]) for e in eps) / len(eps), "rebuilds": sum(e["truncations"] > 0 for e in eps) / len(eps)}
+            "steps": sum(len(e["steps"]) for e in eps) / len(eps), "rebuilds": sum(e["truncations"] > 0 for e in eps) / len(eps),
+            "kinds": kinds}
 
 
 def pooled(runs: list[dict], mode: str, env: str | None = None) -> list[float] | None:
@@ -90,6 +96,13 @@ def report(results: dict, arms: list[str], worlds: list[int], seeds: int, first:
                 print(f"{arm:<{width}} {len(runs[arm]):>4} {end[0] / end[1]:>5.3f} ({lo:.2f}-{hi:.2f}) {diff:>+7.3f} {p:>7.2g}  "
                       f"{' '.join(f'w{w} {d:+.2f}' for w, d in per.items()):<24}" + "".join(f" {h:>5}" for h in hops)
                       + f" {sum(map(collapsed, runs[arm]))}/{len(runs[arm])}")
+    print("\nqa right by question kind, worlds and seeds pooled:")
+    for label, rs in [("start", [r for rs in starts.values() for r in rs]), *runs.items()]:
+        kinds = {}
+        for k, (c, n) in ((k, v) for r in rs for k, v in r.get("kinds", {}).items()):
+            kinds[k] = [kinds.get(k, [0, 0])[0] + c, kinds.get(k, [0, 0])[1] + n]
+        if kinds:
+            print(f"  {label:<{width}} " + ", ".join(f"{k} {c}/{n}" for k, (c, n) in sorted(kinds.items())))
     print(f"\n{'arm':<{width}} {'steps/ep':>8} {'rebuilt':>7} {'cells run':>9} {'tokens':>9} {'min/run':>7} {'RL min':>6} "
           f"{'|log r| token':>13} {'chunk':>8}")
     mean = lambda rs, f: sum(map(f, rs)) / len(rs) if rs else math.nan  # noqa: E731

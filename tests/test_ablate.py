@@ -40,6 +40,7 @@ def test_the_ablation_gives_each_world_its_own_sft_start_its_arms_share_and_resu
         assert config["learner"]["lr"] == (2e-4 if first else 1e-4)  # --quick's lr: 1e-4
         assert (config["algo"]["ratio_level"], config["rollout"]["resample"]) == (("token", 0.0) if first else ("chunk", 0.5))
         assert set(r["success"]) == {""} and len(r["success"][""]) == 1 and r["hops"]["hop1"][1] > 0
+        assert sum(n for _, n in r["kinds"].values()) == r["hops"]["hop1"][1]  # every QA episode has its kind
         assert {"token", "chunk"} == set(r["log_ratio"]) and r["rl_minutes"] > 0 and "exec" in r
     assert "/reinforcepp-step-overlap-learner.lr-2e-4-w0-s0-" in results[1]["run"]  # named after its arm and world
     assert sum(n for _, n in results[2]["resample"].values()) > 0  # some groups started from an expert prefix
@@ -83,14 +84,14 @@ def test_the_ablation_gives_each_world_its_own_sft_start_its_arms_share_and_resu
     assert "RESULT long_rl_gain_greedy=" not in p.stdout
 
 
-def _run(arm, world, seed, qa, files, exec_rate=0.9, minutes=1.0, ratios=(0.0, 0.0), hops=None):
+def _run(arm, world, seed, qa, files, exec_rate=0.9, minutes=1.0, ratios=(0.0, 0.0), hops=None, kinds=None):
     """A made-up run record: [successes, n] per environment of its end evaluation."""
     both = [qa[0] + files[0], qa[1] + files[1]]
     return {"arm": arm, "world": world, "seed": seed, "sampled": both, "greedy": None, "steps": 5.0, "rebuilds": 0.25,
             "envs": {"qa": {"sampled": qa, "greedy": None}, "files": {"sampled": files, "greedy": None}},
             "hops": hops or {}, "exec": exec_rate, "minutes": minutes + 2, "rl_minutes": minutes, "tokens": 100,
             "rewards": [0.1, 0.2], "success": {"qa": [0.0, 0.5], "files": [0.25, None]}, "exec_per_step": [0.9, 0.8],
-            "log_ratio": {"token": ratios[0], "chunk": ratios[1]}}
+            "log_ratio": {"token": ratios[0], "chunk": ratios[1]}, "kinds": kinds or {}}
 
 
 def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_did(tmp_path, capsys, monkeypatch):
@@ -105,7 +106,9 @@ def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_
     monkeypatch.setattr(ablate_table, "plot", lambda runs, path, title: plots.append((sorted(runs), path)))
 
     arms = ["reinforce++", "reinforce++:step", "reinforce++:overlap", "reinforce++:chunk:overlap"]
-    results = {("sft", 0, 0): _run("sft", 0, 0, [6, 64], [20, 64]), ("sft", 7, 0): _run("sft", 7, 0, [10, 64], [30, 64])}
+    start_kinds = {"arithmetic 2-hop": [1, 20], "multihop 2-hop": [5, 44]}
+    results = {("sft", w, 0): _run("sft", w, 0, q, f, kinds=start_kinds) for w, q, f in ((0, [6, 64], [20, 64]),
+                                                                                         (7, [10, 64], [30, 64]))}
     ends = {"reinforce++": ([12, 64], [14, 64]), "reinforce++:step": ([20, 64], [22, 64]),
             "reinforce++:overlap": ([7, 64], [7, 64]), "reinforce++:chunk:overlap": ([8, 64], [8, 64])}
     for arm, (q0, q7) in ends.items():
@@ -113,7 +116,8 @@ def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_
         for w, q in ((0, q0), (7, q7)):
             results[arm, w, 0] = _run(arm, w, 0, q, [25, 64], exec_rate=0.3 if (arm, w) == ("reinforce++:step", 7) else 0.9,
                                       minutes=12 if over else 20, ratios=(0.02, 0.01) if over else (0.0, 0.0),
-                                      hops={"hop1": [40, 64], "hop2": [20, 48], "em": [q[0], 64]})
+                                      hops={"hop1": [40, 64], "hop2": [20, 48], "em": [q[0], 64]},
+                                      kinds=arm == "reinforce++" and {"arithmetic 2-hop": [0, 20], "multihop 2-hop": [q[0], 44]})
     ablate_table.report(results, arms, [0, 7], 1, 1, False, 0.10, tmp_path, "made-up")
     out = capsys.readouterr().out
     assert "  world 0: files 0.31 (64), qa 0.09 (64); 5.00 steps/ep, 25% rebuilt, cells run 0.90 (1 seed(s))" in out
@@ -126,6 +130,10 @@ def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_
     step_row = next(line for line in qa.splitlines() if line.startswith("reinforce++:step "))
     assert step_row.endswith("1/2") and "COLLAPSED (held-out cells run 0.30, start 0.90)" in out
     assert "  reinforce++ w7 s0: qa 0.00 0.50 | files 0.25 -; cells run 0.90 0.80" in out
+    kinds = out.split("qa right by question kind, worlds and seeds pooled:\n")[1].split("\n\n")[0].splitlines()
+    assert [k.split(maxsplit=1) for k in kinds] == [  # the starts' two worlds, then the one arm with kinds (26: 12 + 14)
+        ["start", "arithmetic 2-hop 2/40, multihop 2-hop 10/88"],
+        ["reinforce++", "arithmetic 2-hop 0/40, multihop 2-hop 26/88"]]
     d, _, p = two_proportion_z_test(42, 128, 26, 128)
     assert f"RESULT step_reward_gain={d:+.3f} (reinforce++:step minus reinforce++, qa sampled, same starts, p = {p:.2g})" in out
     d, _, p = two_proportion_z_test(16, 128, 14, 128)
