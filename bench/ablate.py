@@ -18,9 +18,9 @@ trains `--steps` RL steps from its world's SFT weights and evaluates at its end.
 <out>/results.jsonl as it ends: rerun the same command and finished runs are skipped. The table
 (bench/ablate_table.py): per environment and arm the end score pooled over worlds and seeds (95% Wilson interval),
 the gain over the start with a two-proportion z-test and the gain in each world, QA's per-hop success, runs that
-collapsed; QA right by question kind; per arm steps per episode, rebuild share, cells that run, minutes, log-ratios, and each run's training
-success per step; <out>/rewards.png. RESULT lines: the best arm's QA gain, step rewards' and chunk ratios' effect,
-an overlapped run's minutes.
+collapsed; QA right by question kind; per arm steps per episode, rebuild share, cells that run, minutes, log-ratios,
+and each run's training success per step; <out>/rewards.png. RESULT lines: the best arm's QA gain, step rewards' and
+chunk ratios' effect, an overlapped run's minutes.
 """
 
 import argparse

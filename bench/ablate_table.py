@@ -31,7 +31,8 @@ def evaluation(run: Path) -> dict:
     for e in (e for e in eps if "hop1" in e["rewards"]):
         m = e["task"].get("meta", {})
         kind = kinds.setdefault(f"{m.get('kind', '?')} {m.get('hops', '?')}-hop", [0, 0])
-        kind[0], kind[1] = kind[0] + (e["rewards"].get("em") == 1.0), kind[1] + 1
+        kind[0] += e["rewards"].get("em") == 1.0
+        kind[1] += 1
     ran = [s["exec_ok"] for e in eps for s in e["steps"] if s["exec_ok"] is not None]
     return {"step": last, "sampled": pooled("eval/"), "greedy": pooled("eval/greedy/") if at("eval/greedy/") else None,
             "envs": envs, "hops": {h: v for h, v in hops.items() if v[1]}, "exec": sum(ran) / len(ran) if ran else 0.0,
@@ -99,8 +100,8 @@ def report(results: dict, arms: list[str], worlds: list[int], seeds: int, first:
     print("\nqa right by question kind, worlds and seeds pooled:")
     for label, rs in [("start", [r for rs in starts.values() for r in rs]), *runs.items()]:
         kinds = {}
-        for k, (c, n) in ((k, v) for r in rs for k, v in r.get("kinds", {}).items()):
-            kinds[k] = [kinds.get(k, [0, 0])[0] + c, kinds.get(k, [0, 0])[1] + n]
+        for k, right_n in ((k, v) for r in rs for k, v in r.get("kinds", {}).items()):
+            kinds[k] = [a + b for a, b in zip(kinds.get(k, (0, 0)), right_n)]
         if kinds:
             print(f"  {label:<{width}} " + ", ".join(f"{k} {c}/{n}" for k, (c, n) in sorted(kinds.items())))
     print(f"\n{'arm':<{width}} {'steps/ep':>8} {'rebuilt':>7} {'cells run':>9} {'tokens':>9} {'min/run':>7} {'RL min':>6} "
