@@ -20,7 +20,8 @@ trains `--steps` RL steps from its world's SFT weights and evaluates at its end.
 the gain over the start with a two-proportion z-test and the gain in each world, QA's per-hop success, runs that
 collapsed; QA right by question kind; per arm steps per episode, rebuild share, cells that run, minutes, log-ratios,
 and each run's training success per step; <out>/rewards.png. RESULT lines: the best arm's QA gain, step rewards' and
-chunk ratios' effect, an overlapped run's minutes.
+chunk ratios' effect, an overlapped run's minutes; then each `section.key=value` option against the arm without it,
+and each other estimator against reinforce++ with the same options (bench/ablate_table.py's `contrasts`).
 """
 
 import argparse

@@ -55,6 +55,23 @@ def base(arm: str, flag: str) -> str:
     return ":".join(o for o in arm.split(":") if o != flag)
 
 
+def contrasts(arms: list[str]) -> list[tuple[str, str, str]]:
+    """(arm, the arm it is measured against, what differs): `step`, `chunk` (under overlap) or a `section.key=value`
+    option against the arm without it; another estimator against reinforce++ with the same options.
+
+    >>> contrasts(["reinforce++", "reinforce++:algo.gamma=0.95", "grpo", "reinforce++:chunk"])
+    [('reinforce++:algo.gamma=0.95', 'reinforce++', 'algo.gamma=0.95'), ('grpo', 'reinforce++', 'grpo')]
+    """
+    out = []
+    for arm in arms:
+        estimator, *options = arm.split(":")
+        for flag in [o for o in options if o == "step" or "=" in o or (o == "chunk" and "overlap" in options)]:
+            out += [(arm, base(arm, flag), flag)] if base(arm, flag) in arms else []
+        other = ":".join(["reinforce++", *options])
+        out += [(arm, other, estimator)] if estimator != "reinforce++" and other in arms else []
+    return out
+
+
 def report(results: dict, arms: list[str], worlds: list[int], seeds: int, first: int, given_sft: bool, target: float,
            out: Path, title: str) -> None:
     """Print the tables and RESULT lines; plot each arm's RL reward per step (mean over its runs)."""
@@ -163,16 +180,15 @@ def results_lines(gains: dict, runs: dict, names: list[str], target: float) -> N
         print(f"RESULT long_steps_per_episode={s:.2f} target >= 4 {'MET' if s >= 4 else 'SHORT'}")
         print(f"RESULT long_rebuild_share={rb:.3f} target >= 0.10 {'MET' if rb >= 0.10 else 'SHORT'}")
     env = "qa" if "qa" in names else whole
-    for flag, key in (("step", "step_reward_gain"), ("chunk", "chunk_vs_token_stale")):
-        for arm in [a for a in runs if flag in a.split(":") and (flag != "chunk" or "overlap" in a.split(":"))]:
-            other = base(arm, flag)
-            if (env, "sampled", arm) not in gains or (env, "sampled", other) not in gains:
-                continue
-            diff, _, p = two_proportion_z_test(*gains[env, "sampled", arm][2], *gains[env, "sampled", other][2])
-            both = runs[arm] + runs[other]
-            ratios = f"; mean |log ratio| token {_mean(both, 'token'):.2g}, chunk {_mean(both, 'chunk'):.2g}"
-            print(f"RESULT {key}={diff:+.3f} ({arm} minus {other}, {env} sampled, same starts, p = {p:.2g}"
-                  f"{ratios if flag == 'chunk' else ''})")
+    named = {"step": "RESULT step_reward_gain=", "chunk": "RESULT chunk_vs_token_stale="}
+    for arm, other, flag in contrasts(list(runs)):  # an option (or the estimator) against the arm without it
+        if (env, "sampled", arm) not in gains or (env, "sampled", other) not in gains:
+            continue
+        diff, _, p = two_proportion_z_test(*gains[env, "sampled", arm][2], *gains[env, "sampled", other][2])
+        both = runs[arm] + runs[other]
+        ratios = f"; mean |log ratio| token {_mean(both, 'token'):.2g}, chunk {_mean(both, 'chunk'):.2g}"
+        print(f"{named.get(flag, f'{flag}: ')}{diff:+.3f} ({arm} minus {other}, {env} sampled, same starts, p = {p:.2g}"
+              f"{ratios if flag == 'chunk' else ''})")
     for arm in [a for a in runs if "overlap" in a.split(":") and runs[a] and runs.get(base(a, "overlap"))][:1]:
         on, off = (sum(r["rl_minutes"] for r in runs[a]) / len(runs[a]) for a in (arm, base(arm, "overlap")))
         print(f"RESULT long_run_minutes={on:.1f} ({arm}, {len(runs[arm][0]['rewards'])} RL steps, SFT and evaluation "

@@ -98,19 +98,23 @@ def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_
     """By hand: starts QA 6/64 (world 0) and 10/64 (world 7); reinforce++ ends 12/64 and 14/64 (+0.094, +0.063 a
     world; pooled 26/128 against 16/128: +0.078); its :step arm 20/64 and 22/64 (step_reward_gain: 42/128 - 26/128 =
     +0.125); the overlap arms' chunk minus token (16 vs 14 of 128, mean |log ratio| token 0.02, chunk 0.01) and
-    minutes (12 with overlap, 20 without); a run whose cells ran 0.3 against its start's 0.9 collapsed."""
+    minutes (12 with overlap, 20 without); a run whose cells ran 0.3 against its start's 0.9 collapsed. An option
+    `section.key=value` against the arm without it (gamma 0.95: 28/128 against 26/128), another estimator against
+    reinforce++ with the same options (grpo:step: 38/128 against 42/128)."""
     from bench import ablate_table
     from l0_min.evaluation import two_proportion_z_test
 
     plots = []  # (matplotlib's import and a figure take a second: the slow test draws one)
     monkeypatch.setattr(ablate_table, "plot", lambda runs, path, title: plots.append((sorted(runs), path)))
 
-    arms = ["reinforce++", "reinforce++:step", "reinforce++:overlap", "reinforce++:chunk:overlap"]
+    arms = ["reinforce++", "reinforce++:step", "reinforce++:overlap", "reinforce++:chunk:overlap",
+            "reinforce++:algo.gamma=0.95", "grpo:step"]
     start_kinds = {"arithmetic 2-hop": [1, 20], "multihop 2-hop": [5, 44]}
     results = {("sft", w, 0): _run("sft", w, 0, q, f, kinds=start_kinds) for w, q, f in ((0, [6, 64], [20, 64]),
                                                                                          (7, [10, 64], [30, 64]))}
     ends = {"reinforce++": ([12, 64], [14, 64]), "reinforce++:step": ([20, 64], [22, 64]),
-            "reinforce++:overlap": ([7, 64], [7, 64]), "reinforce++:chunk:overlap": ([8, 64], [8, 64])}
+            "reinforce++:overlap": ([7, 64], [7, 64]), "reinforce++:chunk:overlap": ([8, 64], [8, 64]),
+            "reinforce++:algo.gamma=0.95": ([14, 64], [14, 64]), "grpo:step": ([18, 64], [20, 64])}
     for arm, (q0, q7) in ends.items():
         over = "overlap" in arm
         for w, q in ((0, q0), (7, q7)):
@@ -139,6 +143,11 @@ def test_the_table_pools_worlds_against_their_starts_and_names_what_each_option_
     d, _, p = two_proportion_z_test(16, 128, 14, 128)
     assert (f"RESULT chunk_vs_token_stale={d:+.3f} (reinforce++:chunk:overlap minus reinforce++:overlap, qa sampled, same "
             f"starts, p = {p:.2g}; mean |log ratio| token 0.02, chunk 0.01)") in out
+    d, _, p = two_proportion_z_test(28, 128, 26, 128)
+    assert f"algo.gamma=0.95: {d:+.3f} (reinforce++:algo.gamma=0.95 minus reinforce++, qa sampled, same starts, " \
+           f"p = {p:.2g})" in out
+    d, _, p = two_proportion_z_test(38, 128, 42, 128)
+    assert f"grpo: {d:+.3f} (grpo:step minus reinforce++:step, qa sampled, same starts, p = {p:.2g})" in out
     assert "RESULT long_run_minutes=12.0 (reinforce++:overlap, 2 RL steps, SFT and evaluation excluded; 20.0 without " \
            "overlap) target < 20 MET" in out
     best = two_proportion_z_test(42, 128, 16, 128)
