@@ -103,12 +103,12 @@ def report(results: dict, arms: list[str], worlds: list[int], seeds: int, first:
             for arm in arms:
                 if not (end := pooled(runs[arm], mode, key)):
                     continue
-                diff, _, p = two_proportion_z_test(*end, *start)
+                own = {w: e for w in worlds if (e := pooled([r for r in runs[arm] if r["world"] == w], mode, key))}
+                at = {w: pooled(starts[w] if mode == "sampled" else starts[w][:1], mode, key) for w in own}
+                diff, _, p = two_proportion_z_test(*end, *[sum(at[w][i] for w in own) for i in (0, 1)])  # its worlds' starts
                 lo, hi = wilson_interval(*end)
-                per = {w: two_proportion_z_test(*e, *s)[0] for w in worlds
-                       if (e := pooled([r for r in runs[arm] if r["world"] == w], mode, key))
-                       and (s := pooled(starts[w] if mode == "sampled" else starts[w][:1], mode, key))}
-                gains[env, mode, arm] = diff, p, end, per
+                per = {w: two_proportion_z_test(*own[w], *at[w])[0] for w in own}
+                gains[env, mode, arm] = diff, p, end, per, own
                 hops = [rate([sum(r["hops"][h][i] for r in runs[arm] if h in r.get("hops", {})) for i in (0, 1)])
                         for h in hop_cols]  # fmt: skip
                 print(f"{arm:<{width}} {len(runs[arm]):>4} {end[0] / end[1]:>5.3f} ({lo:.2f}-{hi:.2f}) {diff:>+7.3f} {p:>7.2g}  "
@@ -144,7 +144,7 @@ def report(results: dict, arms: list[str], worlds: list[int], seeds: int, first:
                 print(f"    solved / episodes by expert prefix length: "
                       + ", ".join(f"{k} {ok:.0f}/{n:.0f}" for k, (ok, n) in sorted(r["resample"].items())))
     plot(runs, out / "rewards.png", title)
-    results_lines(gains, runs, names, target)
+    results_lines(gains, runs, names, target, worlds)
 
 
 def plot(runs: dict, path: Path, title: str) -> None:
@@ -161,21 +161,22 @@ def plot(runs: dict, path: Path, title: str) -> None:
     fig.savefig(path)
 
 
-def results_lines(gains: dict, runs: dict, names: list[str], target: float) -> None:
+def results_lines(gains: dict, runs: dict, names: list[str], target: float, worlds: list[int]) -> None:
     """RESULT lines: the best arm's gain (all environments; QA and files alone), the step rewards' and the chunk
-    ratios' effect (arm against the same arm without the option, same starts), an overlapped run's minutes."""
+    ratios' effect (arm against the same arm without the option, same starts, on the worlds both ran), an
+    overlapped run's minutes; each other option's and estimator's (`contrasts`) alike."""
     met = lambda d, p: "MET" if d >= target and p < 0.05 else "SHORT"  # noqa: E731
     whole = "all" if len(names) > 1 else names[0]
     print()
     for key, env, mode in (("long_rl_gain", whole, "sampled"), ("long_rl_gain_greedy", whole, "greedy"),
                            ("long_qa_rl_gain", "qa", "sampled"), ("long_files_rl_gain", "files", "sampled")):
         if cands := [a for (e, m, a) in gains if (e, m) == (env, mode)]:
-            best = max(cands, key=lambda a: gains[env, mode, a][0])
-            diff, p, (c, n), per = gains[env, mode, best]
+            best = max(cands, key=lambda a: (len(gains[env, mode, a][4]), gains[env, mode, a][0]))  # most worlds first
+            diff, p, (c, n), per, _ = gains[env, mode, best]
             print(f"RESULT {key}={diff:+.3f} (arm {best}, {env} {mode}, {n:.0f} held-out episodes, p = {p:.2g}; per world "
                   f"{', '.join(f'w{w} {d:+.3f}' for w, d in per.items())}) target >= {target} {met(diff, p)}")
     if cands := [a for (e, m, a) in gains if (e, m) == (whole, "sampled")]:
-        best = max(cands, key=lambda a: gains[whole, "sampled", a][0])
+        best = max(cands, key=lambda a: (len(gains[whole, "sampled", a][4]), gains[whole, "sampled", a][0]))
         s, rb = [sum(r[k] for r in runs[best]) / len(runs[best]) for k in ("steps", "rebuilds")]
         print(f"RESULT long_steps_per_episode={s:.2f} target >= 4 {'MET' if s >= 4 else 'SHORT'}")
         print(f"RESULT long_rebuild_share={rb:.3f} target >= 0.10 {'MET' if rb >= 0.10 else 'SHORT'}")
@@ -184,11 +185,15 @@ def results_lines(gains: dict, runs: dict, names: list[str], target: float) -> N
     for arm, other, flag in contrasts(list(runs)):  # an option (or the estimator) against the arm without it
         if (env, "sampled", arm) not in gains or (env, "sampled", other) not in gains:
             continue
-        diff, _, p = two_proportion_z_test(*gains[env, "sampled", arm][2], *gains[env, "sampled", other][2])
+        ends = gains[env, "sampled", arm][4], gains[env, "sampled", other][4]
+        if not (common := [w for w in ends[0] if w in ends[1]]):  # the worlds both ran: the same starts and tasks
+            continue
+        diff, _, p = two_proportion_z_test(*[sum(e[w][i] for w in common) for e in ends for i in (0, 1)])
         both = runs[arm] + runs[other]
         ratios = f"; mean |log ratio| token {_mean(both, 'token'):.2g}, chunk {_mean(both, 'chunk'):.2g}"
-        print(f"{named.get(flag, f'{flag}: ')}{diff:+.3f} ({arm} minus {other}, {env} sampled, same starts, p = {p:.2g}"
-              f"{ratios if flag == 'chunk' else ''})")
+        only = f", world {','.join(map(str, common))} only" if len(common) < len(worlds) else ""
+        print(f"{named.get(flag, f'{flag}: ')}{diff:+.3f} ({arm} minus {other}, {env} sampled, same starts{only}, "
+              f"p = {p:.2g}{ratios if flag == 'chunk' else ''})")
     for arm in [a for a in runs if "overlap" in a.split(":") and runs[a] and runs.get(base(a, "overlap"))][:1]:
         on, off = (sum(r["rl_minutes"] for r in runs[a]) / len(runs[a]) for a in (arm, base(arm, "overlap")))
         print(f"RESULT long_run_minutes={on:.1f} ({arm}, {len(runs[arm][0]['rewards'])} RL steps, SFT and evaluation "
